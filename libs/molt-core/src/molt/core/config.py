@@ -1,0 +1,166 @@
+"""Typed configuration shared by the molt services.
+
+Each service declares one frozen settings class (``extra="forbid"``, a
+description per field, which becomes its ``--help``). ``load_settings`` builds
+it from four layers, highest first:
+
+1. CLI flags (``--engine.tensor_parallel_size 2``),
+2. environment variables (``MOLT_ROUTER_ENGINE__TENSOR_PARALLEL_SIZE=2``),
+3. the service's table of a TOML recipe (``[router]``), plus the shared ``[run]`` table,
+4. the defaults in the class.
+
+The merge happens here, in one place, and validation errors name the key and
+value that failed. Nothing else in molt reads ``os.environ`` for settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, PydanticBaseSettingsSource
+
+from molt.core.errors import ConfigError
+
+# Top-level tables a recipe may have: the shared run table, one per service, the launcher's.
+RECIPE_TABLES = ("run", "router", "agent_pool", "learner", "broadcaster", "launcher")
+
+
+class RunSettings(BaseModel):
+    """What every service of one run shares (the recipe's ``[run]`` table)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str = Field(
+        "molt",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Run name; namespaces the Redis keys (molt:<run_id>:...).",
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server holding the trajectory queue.")
+    run_dir: Path = Field(Path("runs/molt"), description="Directory for logs, metrics and checkpoints of the run.")
+
+
+class ServiceSettings(BaseSettings):
+    """Base of every service's settings: frozen, unknown keys refused.
+
+    Only init values are read by pydantic itself; ``load_settings`` merges the
+    layers explicitly so that the order is visible in one function.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")  # type: ignore[assignment]
+
+    run: RunSettings = Field(default_factory=RunSettings, description="Shared run settings (the [run] table).")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    """Parses a TOML recipe and checks its top-level tables."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"recipe {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"recipe {path} is not valid TOML: {exc}") from exc
+    unknown = sorted(set(data) - set(RECIPE_TABLES))
+    if unknown:
+        raise ConfigError(f"recipe {path}: unknown table(s) {unknown}; allowed: {list(RECIPE_TABLES)}")
+    return data
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(error: Mapping[str, Any], layers: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    loc = tuple(str(part) for part in error["loc"])
+    key = ".".join(loc)
+    origin = "defaults"
+    for name, layer in layers:  # highest priority first: report where the bad value came from
+        node: Any = layer
+        for part in loc:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is not None:
+            origin = name
+            break
+    value = json.dumps(error.get("input"), default=str)
+    return f"  {key} = {value} (from {origin}): {error['msg']}"
+
+
+def load_settings(
+    cls: type[S],
+    section: str,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> tuple[S, argparse.Namespace]:
+    """Builds ``cls`` from CLI > env (``MOLT_<SECTION>_``) > recipe ``[section]`` > defaults.
+
+    Returns the settings and the parsed launcher flags (``config``, ``dry_run``).
+    Raises ``ConfigError`` naming every bad key, its value and the layer it came from.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    parser.add_argument("--config", type=Path, help=f"TOML recipe; its [run] and [{section}] tables are read")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
+    cli_source = CliSettingsSource(cls, root_parser=parser, cli_implicit_flags=True)
+    namespace = parser.parse_args(list(argv) if argv is not None else None)
+    cli = cli_source(parsed_args=namespace)()
+
+    recipe: dict[str, Any] = {}
+    if namespace.config is not None:
+        tables = read_recipe(namespace.config)
+        recipe = dict(tables.get(section, {}))
+        if "run" in tables:
+            recipe["run"] = tables["run"]
+    env_source = EnvSettingsSource(
+        cls, env_prefix=f"MOLT_{section.upper()}_", env_nested_delimiter="__", case_sensitive=False
+    )
+    if environ is not None:
+        env_source.env_vars = {k.lower(): v for k, v in environ.items()}
+    env = env_source()
+
+    layers = [("command line", cli), ("environment", env), (f"recipe [{section}]", recipe)]
+    merged: dict[str, Any] = {}
+    for _, layer in reversed(layers):
+        merged = _merge(merged, layer)
+    try:
+        return cls(**merged), namespace
+    except ValidationError as exc:
+        details = "\n".join(_describe(err, layers) for err in exc.errors())
+        raise ConfigError(f"invalid {section} settings:\n{details}") from exc
+
+
+def dump_settings(settings: BaseModel) -> str:
+    """The resolved settings as indented JSON (``--dry-run`` output, saved with each run)."""
+    return settings.model_dump_json(indent=2)
+
+
+def environ_snapshot() -> dict[str, str]:
+    """The process environment, read once at start-up by ``__main__`` (never elsewhere)."""
+    return dict(os.environ)

@@ -1,0 +1,314 @@
+"""The trajectory queue: ``TrajectoryGroup`` protobuf bytes on a Redis stream.
+
+Key schema (see docs/queue.md; any producer in any language can follow it):
+
+- ``molt:<run>:trajectories`` - stream; one entry per group, field ``group`` =
+  serialized ``molt.v1.TrajectoryGroup``. Consumer group ``learner``.
+- ``molt:<run>:trajectory-ids`` - set of every trajectory id ever queued (dedupe).
+- ``molt:<run>:trajectories:dead`` - dead letters: fields ``reason``,
+  ``entry_id`` and the original ``group`` bytes.
+
+Entries are acknowledged and deleted together (XACK + XDEL) only when the
+consumer says so (the learner: after the step that used them is committed),
+so the stream length is exactly the work not yet done and bounds the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from google.protobuf.message import DecodeError
+from redis.client import Pipeline
+
+from molt.core.errors import Backpressure, InvalidInput
+from molt.core.trajectory import group_problems
+from molt.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+CONSUMER_GROUP = "learner"
+PAYLOAD_FIELD = b"group"
+
+# Atomically: refuse when the stream is at its bound; report already-seen ids
+# without writing; otherwise remember the ids and append the entry.
+# KEYS: stream, seen-set. ARGV: max_length, payload, trajectory ids...
+_PUT_SCRIPT = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return {'full'} end
+local ids = {}
+for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+local seen = redis.call('SMISMEMBER', KEYS[2], unpack(ids))
+local dups = {}
+for i = 1, #seen do if seen[i] == 1 then dups[#dups + 1] = ids[i] end end
+if #dups > 0 then return {'dup', unpack(dups)} end
+redis.call('SADD', KEYS[2], unpack(ids))
+return {'ok', redis.call('XADD', KEYS[1], '*', 'group', ARGV[2])}
+"""
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """The Redis keys of one run's queue."""
+
+    run_id: str
+
+    @property
+    def stream(self) -> str:
+        return f"molt:{self.run_id}:trajectories"
+
+    @property
+    def seen_ids(self) -> str:
+        return f"molt:{self.run_id}:trajectory-ids"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"molt:{self.run_id}:trajectories:dead"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Outcome of a put: the stream entry id (None if nothing was written) and dropped duplicate ids."""
+
+    entry_id: str | None
+    duplicate_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One delivered group; ``entry_id`` is what ``ack`` takes."""
+
+    entry_id: str
+    group: common_pb2.TrajectoryGroup
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """Depth = entries not yet acknowledged (read or not); pending = delivered, not acknowledged;
+    lag = not yet delivered to any consumer; dead_letters = entries moved aside as malformed."""
+
+    depth: int
+    pending: int
+    lag: int
+    dead_letters: int
+
+
+class TrajectoryQueue:
+    """Producer and consumer side of one run's queue.
+
+    ``max_length`` bounds the stream (entries not yet acknowledged); ``put``
+    then waits up to its ``timeout`` and raises ``Backpressure`` - it never
+    drops. A consumer reads as ``consumer``; entries another consumer left
+    pending longer than ``reclaim_after_s`` are claimed (XAUTOCLAIM) on read.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        *,
+        max_length: int = 1024,
+        consumer: str | None = None,
+        reclaim_after_s: float = 60.0,
+    ) -> None:
+        if max_length < 1:
+            raise InvalidInput(f"max_length must be >= 1, got {max_length}")
+        self.client = client
+        self.keys = QueueKeys(run_id)
+        self.max_length = max_length
+        self.consumer = consumer
+        self.reclaim_after_s = reclaim_after_s
+        self._put = client.register_script(_PUT_SCRIPT)
+        self._held: set[str] = set()  # delivered to this instance, not yet acknowledged
+        self._own_pending_read = False
+        if consumer is not None:
+            self._ensure_group()
+
+    def _ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.keys.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- producer ---------------------------------------------------------------------------
+
+    def put(self, group: common_pb2.TrajectoryGroup, timeout: float | None = None) -> PutResult:
+        """Queues ``group``; trajectories whose id was queued before are dropped (reported, not written).
+
+        Blocks while the queue is full, up to ``timeout`` seconds (None: forever; 0: not at all),
+        then raises ``Backpressure``. Raises ``InvalidInput`` for a malformed group.
+        """
+        return self.put_many([group], timeout)[0]
+
+    def put_many(self, groups: Sequence[common_pb2.TrajectoryGroup], timeout: float | None = None) -> list[PutResult]:
+        """``put`` for several groups in one round trip (one pipeline of atomic put scripts).
+
+        Groups are checked first, so a malformed one queues nothing. When the
+        queue fills part-way, the rest are put one by one, waiting as ``put`` does.
+        """
+        for group in groups:
+            problems = group_problems(group, self.keys.run_id)
+            if problems:
+                raise InvalidInput("malformed TrajectoryGroup: " + "; ".join(problems), reason="MALFORMED_GROUP")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.client.pipeline(transaction=False) as pipe:
+            for group in groups:
+                self._put_script(group, pipe)
+            replies = pipe.execute()
+        results: list[PutResult] = []
+        for group, reply in zip(groups, replies, strict=True):
+            done = self._settle(reply, ())
+            results.append(done if done is not None else self._put_one(group, deadline))
+        return results
+
+    def _put_script(self, group: common_pb2.TrajectoryGroup, client: redis.Redis | Pipeline) -> Any:
+        ids = [t.trajectory_id for t in group.trajectories]
+        return self._put(
+            keys=[self.keys.stream, self.keys.seen_ids],
+            args=[self.max_length, group.SerializeToString(), *ids],
+            client=client,
+        )
+
+    def _settle(self, reply: list[bytes], duplicates: tuple[str, ...]) -> PutResult | None:
+        """The result of a script reply, or None when the group must be retried (queue full or duplicates)."""
+        if reply[0] == b"ok":
+            return PutResult(reply[1].decode(), duplicates)
+        return None
+
+    def _put_one(self, group: common_pb2.TrajectoryGroup, deadline: float | None) -> PutResult:
+        duplicates: tuple[str, ...] = ()
+        delay = 0.005
+        while True:
+            reply = self._put_script(group, self.client)
+            done = self._settle(reply, duplicates)
+            if done is not None:
+                return done
+            if reply[0] == b"dup":
+                seen = {raw.decode() for raw in reply[1:]}
+                duplicates += tuple(sorted(seen))
+                log.warning("dropping duplicate trajectory ids", extra={"ids": sorted(seen)})
+                kept = [t for t in group.trajectories if t.trajectory_id not in seen]
+                if not kept:
+                    return PutResult(None, duplicates)
+                group = _with_trajectories(group, kept)
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                raise Backpressure(
+                    f"trajectory queue {self.keys.stream} is full ({self.max_length} entries not yet "
+                    f"acknowledged); the learner is behind",
+                    metadata={"maxLength": str(self.max_length)},
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    def read(self, count: int = 16, block_s: float = 0.0) -> list[QueueEntry]:
+        """Delivers up to ``count`` groups to this consumer.
+
+        Order: first (once per instance) entries this consumer name left pending
+        before a restart, then entries other consumers left idle past
+        ``reclaim_after_s``, then new entries in stream order (waiting up to
+        ``block_s`` for one). Malformed entries go to the dead-letter stream.
+        """
+        if self.consumer is None:
+            raise InvalidInput("this TrajectoryQueue has no consumer name; it can only put")
+        raw: list[tuple[bytes, dict[bytes, bytes]]] = []
+        if not self._own_pending_read:
+            raw += self._read_stream("0", count, None)
+            self._own_pending_read = True
+        if len(raw) < count:
+            raw += self._reclaim(count - len(raw))
+        if not raw:
+            raw += self._read_stream(">", count, block_s)
+        return self._decode(raw)
+
+    def _read_stream(self, start: str, count: int, block_s: float | None) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        block = None if not block_s else max(1, int(block_s * 1000))
+        reply = self.client.xreadgroup(
+            CONSUMER_GROUP, self.consumer, {self.keys.stream: start}, count=count, block=block
+        )
+        return [(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields]
+
+    def _reclaim(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        idle_ms = int(self.reclaim_after_s * 1000)
+        reply = self.client.xautoclaim(self.keys.stream, CONSUMER_GROUP, self.consumer, idle_ms, "0-0", count=count)
+        claimed = [(eid, fields) for eid, fields in reply[1] if eid.decode() not in self._held]
+        deleted = reply[2] if len(reply) > 2 else []
+        if deleted:  # pending but already deleted from the stream: nothing left to deliver
+            self.client.xack(self.keys.stream, CONSUMER_GROUP, *deleted)
+        if claimed:
+            log.warning("reclaimed entries left pending by another consumer", extra={"count": len(claimed)})
+        return claimed
+
+    def _decode(self, raw: Iterable[tuple[bytes, dict[bytes, bytes]]]) -> list[QueueEntry]:
+        entries: list[QueueEntry] = []
+        for eid_bytes, fields in raw:
+            eid = eid_bytes.decode()
+            payload = fields.get(PAYLOAD_FIELD)
+            try:
+                if payload is None:
+                    raise DecodeError(f"entry has no {PAYLOAD_FIELD.decode()!r} field")
+                group = common_pb2.TrajectoryGroup.FromString(payload)
+                problems = group_problems(group, self.keys.run_id)
+                if problems:
+                    raise DecodeError("; ".join(problems))
+            except DecodeError as exc:
+                self._dead_letter(eid, payload or b"", str(exc))
+                continue
+            self._held.add(eid)
+            entries.append(QueueEntry(eid, group))
+        return entries
+
+    def _dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
+        log.error("malformed queue entry moved to dead letters", extra={"entry_id": entry_id, "reason": reason})
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.keys.dead_letters, {"reason": reason, "entry_id": entry_id, "group": payload})
+            pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
+            pipe.xdel(self.keys.stream, entry_id)
+            pipe.execute()
+
+    def ack(self, entry_ids: Sequence[str]) -> int:
+        """Acknowledges and deletes entries (call only after their use is committed); returns how many were pending."""
+        if not entry_ids:
+            return 0
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
+            pipe.xdel(self.keys.stream, *entry_ids)
+            acked, _ = pipe.execute()
+        self._held.difference_update(entry_ids)
+        return int(acked)
+
+    def stats(self) -> QueueStats:
+        """Depth, pending, lag and dead letters, read from Redis now."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.xlen(self.keys.stream)
+            pipe.xinfo_groups(self.keys.stream)
+            pipe.xlen(self.keys.dead_letters)
+            depth, groups, dead = pipe.execute(raise_on_error=False)
+        if isinstance(depth, Exception):  # the stream does not exist yet
+            return QueueStats(0, 0, 0, 0 if isinstance(dead, Exception) else int(dead))
+        info = (
+            next((g for g in groups if _text(g["name"]) == CONSUMER_GROUP), None) if isinstance(groups, list) else None
+        )
+        pending = int(info["pending"]) if info else 0
+        lag = info.get("lag") if info else None
+        return QueueStats(int(depth), pending, int(lag) if lag is not None else int(depth) - pending, int(dead))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _with_trajectories(
+    group: common_pb2.TrajectoryGroup, trajectories: Sequence[common_pb2.Trajectory]
+) -> common_pb2.TrajectoryGroup:
+    trimmed = common_pb2.TrajectoryGroup()
+    trimmed.CopyFrom(group)
+    del trimmed.trajectories[:]
+    trimmed.trajectories.extend(trajectories)
+    return trimmed

@@ -1,0 +1,224 @@
+"""The trajectory queue against a real redis-server on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from molt.core.errors import Backpressure, InvalidInput
+from molt.core.queue import CONSUMER_GROUP, QueueKeys, TrajectoryQueue
+from molt.core.testing import RedisServer
+from molt.v1 import common_pb2
+
+pytestmark = pytest.mark.integration
+RUN = "test-run"
+
+
+def make_group(
+    samples: int = 2, tokens: int = 4, run_id: str = RUN, prompt_id: str = "p"
+) -> common_pb2.TrajectoryGroup:
+    group = common_pb2.TrajectoryGroup(
+        group_id=uuid.uuid4().hex, prompt_id=prompt_id, run_id=run_id, sample_count=samples
+    )
+    for i in range(samples):
+        group.trajectories.add(
+            trajectory_id=uuid.uuid4().hex,
+            rollout_id=uuid.uuid4().hex,
+            prompt_token_ids=[1, 2, 3],
+            response_token_ids=list(range(tokens)),
+            rollout_logprobs=[-0.5] * tokens,
+            loss_mask=[True] * tokens,
+            policy_versions=[0] * tokens,
+            reward=float(i),
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            turn_count=1,
+        )
+    return group
+
+
+def test_order_is_kept_and_ack_deletes(redis_client: redis.Redis) -> None:
+    producer = TrajectoryQueue(redis_client, RUN)
+    consumer = TrajectoryQueue(redis_client, RUN, consumer="c0")
+    sent = [make_group(prompt_id=f"p{i}") for i in range(10)]
+    for group in sent:
+        assert producer.put(group).entry_id is not None
+    received = consumer.read(count=4) + consumer.read(count=100)
+    assert [e.group.prompt_id for e in received] == [g.prompt_id for g in sent]
+    assert [e.group for e in received] == sent
+    assert consumer.stats().pending == 10
+    assert consumer.ack([e.entry_id for e in received]) == 10
+    stats = consumer.stats()
+    assert (stats.depth, stats.pending, stats.lag) == (0, 0, 0)
+    assert consumer.read(count=10) == []
+
+
+def test_stats_report_depth_pending_and_lag(redis_client: redis.Redis) -> None:
+    queue = TrajectoryQueue(redis_client, RUN, consumer="c0")
+    for _ in range(5):
+        queue.put(make_group())
+    queue.read(count=2)
+    stats = queue.stats()
+    assert (stats.depth, stats.pending, stats.lag, stats.dead_letters) == (5, 2, 3, 0)
+
+
+def test_duplicate_trajectory_ids_are_dropped(redis_client: redis.Redis) -> None:
+    queue = TrajectoryQueue(redis_client, RUN, consumer="c0")
+    group = make_group(samples=3)
+    first = queue.put(group)
+    again = queue.put(group)
+    assert first.entry_id is not None and first.duplicate_ids == ()
+    assert again.entry_id is None
+    assert set(again.duplicate_ids) == {t.trajectory_id for t in group.trajectories}
+
+    partial = make_group(samples=2)
+    partial.trajectories.append(group.trajectories[0])
+    result = queue.put(partial)
+    assert result.entry_id is not None and result.duplicate_ids == (group.trajectories[0].trajectory_id,)
+    entries = queue.read(count=10)
+    assert [len(e.group.trajectories) for e in entries] == [3, 2]
+    assert queue.stats().depth == 2
+
+
+def test_backpressure_engages_at_the_bound_and_never_drops(redis_client: redis.Redis) -> None:
+    queue = TrajectoryQueue(redis_client, RUN, max_length=3, consumer="c0")
+    for _ in range(3):
+        queue.put(make_group())
+    with pytest.raises(Backpressure, match="full"):
+        queue.put(make_group(), timeout=0)
+    with pytest.raises(Backpressure):
+        queue.put(make_group(), timeout=0.2)
+    assert queue.stats().depth == 3
+
+    first = queue.read(count=1)
+
+    def ack_later() -> None:
+        time.sleep(0.3)
+        queue.ack([first[0].entry_id])
+
+    thread = threading.Thread(target=ack_later)
+    thread.start()
+    started = time.monotonic()
+    waiting = make_group(prompt_id="waited")
+    assert queue.put(waiting, timeout=10).entry_id is not None
+    thread.join()
+    assert time.monotonic() - started >= 0.25  # it waited for the ack instead of dropping or failing
+    assert [e.group.prompt_id for e in queue.read(count=10)][-1] == "waited"
+
+
+def test_malformed_group_is_refused_at_put(redis_client: redis.Redis) -> None:
+    queue = TrajectoryQueue(redis_client, RUN)
+    bad = make_group()
+    del bad.trajectories[0].loss_mask[:]
+    with pytest.raises(InvalidInput, match="loss_mask has 0 entries"):
+        queue.put(bad)
+    with pytest.raises(InvalidInput, match="run_id"):
+        queue.put(make_group(run_id="other-run"))
+    assert queue.stats().depth == 0
+
+
+def test_malformed_entries_go_to_dead_letters(redis_client: redis.Redis) -> None:
+    keys = QueueKeys(RUN)
+    queue = TrajectoryQueue(redis_client, RUN, consumer="c0")
+    queue.put(make_group(prompt_id="before"))
+    redis_client.xadd(keys.stream, {"group": b"\xff\xff not a protobuf"})
+    redis_client.xadd(keys.stream, {"other": b"x"})
+    wrong_lengths = make_group()
+    wrong_lengths.trajectories[0].rollout_logprobs.append(0.0)
+    redis_client.xadd(keys.stream, {"group": wrong_lengths.SerializeToString()})
+    queue.put(make_group(prompt_id="after"))
+
+    entries = queue.read(count=10)
+    assert [e.group.prompt_id for e in entries] == ["before", "after"]
+    dead = redis_client.xrange(keys.dead_letters)
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert len(reasons) == 3
+    assert "no 'group' field" in reasons[1]
+    assert "rollout_logprobs has 5 entries" in reasons[2]
+    assert dead[0][1][b"group"] == b"\xff\xff not a protobuf"  # the original bytes are kept for inspection
+    stats = queue.stats()
+    assert (stats.depth, stats.pending, stats.dead_letters) == (2, 2, 3)
+
+
+CONSUMER_SCRIPT = """
+import sys, time, redis
+from molt.core.queue import TrajectoryQueue
+queue = TrajectoryQueue(redis.Redis.from_url(sys.argv[1]), sys.argv[2], consumer="doomed")
+entries = queue.read(count=3)
+print(" ".join(e.entry_id for e in entries), flush=True)
+time.sleep(600)
+"""
+
+
+def test_entries_of_a_killed_consumer_are_reclaimed_once(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+    queue = TrajectoryQueue(redis_client, RUN, consumer="survivor", reclaim_after_s=0.5)
+    for i in range(5):
+        queue.put(make_group(prompt_id=f"p{i}"))
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER_SCRIPT, redis_server.url, RUN], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert doomed.stdout is not None
+        taken = doomed.stdout.readline().split()
+    finally:
+        doomed.kill()
+        doomed.wait()
+        if doomed.stdout is not None:
+            doomed.stdout.close()
+    assert len(taken) == 3
+
+    # Before the idle timeout only the two untouched entries are delivered.
+    fresh = queue.read(count=10)
+    assert len(fresh) == 2 and not {e.entry_id for e in fresh} & set(taken)
+    time.sleep(0.6)
+    reclaimed = queue.read(count=10)
+    assert sorted(e.entry_id for e in reclaimed) == sorted(taken)
+    time.sleep(0.6)  # our own held entries are never re-delivered to us, however long we hold them
+    assert queue.read(count=10) == []
+    queue.ack([e.entry_id for e in fresh + reclaimed])
+    assert queue.stats().pending == 0 and queue.stats().depth == 0
+    seen = [e.group.prompt_id for e in fresh + reclaimed]
+    assert sorted(seen) == [f"p{i}" for i in range(5)]
+
+
+def test_restarted_consumer_gets_its_own_pending_entries_first(redis_client: redis.Redis) -> None:
+    first = TrajectoryQueue(redis_client, RUN, consumer="learner-0")
+    for i in range(4):
+        first.put(make_group(prompt_id=f"p{i}"))
+    held = first.read(count=2)
+    restarted = TrajectoryQueue(redis_client, RUN, consumer="learner-0")  # same name, new process
+    again = restarted.read(count=2)
+    assert [e.entry_id for e in again] == [e.entry_id for e in held]
+    assert [e.group.prompt_id for e in restarted.read(count=10)] == ["p2", "p3"]
+
+
+def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "aof", appendonly=True)
+    server.start()
+    try:
+        queue = TrajectoryQueue(server.client(), RUN, consumer="c0")
+        sent = [make_group(prompt_id=f"p{i}") for i in range(6)]
+        for group in sent:
+            queue.put(group)
+        delivered = queue.read(count=3)
+        queue.ack([delivered[0].entry_id])  # acknowledged: must stay gone
+        port = server.port
+        server.kill()  # a crash, not a clean shutdown
+        server.start(port=port)
+
+        client = server.client()
+        restarted = TrajectoryQueue(client, RUN, consumer="c0")
+        assert restarted.stats().pending == 2
+        recovered = restarted.read(count=10) + restarted.read(count=10)
+        assert [e.group for e in recovered] == sent[1:]
+        assert restarted.put(sent[0]).entry_id is None  # the dedupe set survived too
+        pending = client.xpending(QueueKeys(RUN).stream, CONSUMER_GROUP)
+        assert pending["pending"] == 5
+    finally:
+        server.stop()

@@ -1,0 +1,68 @@
+"""The tiny model builder: deterministic, head_dim 64, single-token chat specials."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from molt.core.tiny_model import HEAD_DIM, MARKUP_TOKENS, SPECIAL_TOKENS, build
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_build_is_deterministic_and_seeded(tmp_path: Path) -> None:
+    a, b, c = build(tmp_path / "a", seed=3), build(tmp_path / "b", seed=3), build(tmp_path / "c", seed=4)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert digest(a / name) == digest(b / name), name
+    assert digest(a / "model.safetensors") != digest(c / "model.safetensors")
+
+
+def test_model_and_tokenizer_fit_together(tmp_path: Path) -> None:
+    path = build(tmp_path / "m", layers=1)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen2"
+    assert model.config.head_dim == HEAD_DIM
+    assert len(tokenizer) <= model.config.vocab_size
+    for token in (*SPECIAL_TOKENS, *MARKUP_TOKENS):
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+
+    messages = [{"role": "user", "content": "12+7= ünïcode"}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n12+7= ünïcode<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(ids) == text
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    # Plain text never encodes to a control token.
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") not in tokenizer.encode(
+        "<|im_start", add_special_tokens=False
+    )
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_template_renders_tools_and_history_as_prefix(tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(build(tmp_path / "m", layers=1))
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    first = [{"role": "user", "content": "2*3?"}]
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": '{"e": "2*3"}'}}],
+    }
+    second = [*first, call, {"role": "tool", "content": "6"}]
+    render = tokenizer.apply_chat_template
+    one = render(first, tools=tools, tokenize=False, add_generation_prompt=False)
+    two = render(second, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert two.startswith(one)
+    assert '<tool_call>{"name": "calc", "arguments": {"e": "2*3"}}</tool_call><|im_end|>' in two
+    assert two.endswith("<tool_response>6</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "calc"' in one.split("<|im_end|>")[0]  # the tool list is in the system turn

