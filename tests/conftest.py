@@ -79,6 +79,7 @@ def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         f"127.0.0.1:{port}",
         workdir / "router.log",
         env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+        service="molt.v1.RolloutService",
     )
     process.start(timeout_s=420)
     yield RouterUnderTest(f"127.0.0.1:{port}", tiny_model, ROUTER_TEMPERATURE)

@@ -36,7 +36,7 @@ SERVICES = [
         "agent_pool",
         "AgentPoolSettings",
         "agent_pool",
-        'agent = "arithmetic.py:ArithmeticEnv"\nprompts_path = "prompts.jsonl"',
+        'agent = "arithmetic.py:ArithmeticEnv"\nprompts_path = "prompts.jsonl"\ntokenizer_path = "models/tiny"',
         "group_size",
     ),
     Service("learner", "LearnerSettings", "learner", 'model_path = "models/tiny"', "groups_per_step"),

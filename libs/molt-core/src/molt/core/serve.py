@@ -138,6 +138,8 @@ class ServiceHost:
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING; returns the bound port."""
         options = [
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then share it silently.
+            ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]

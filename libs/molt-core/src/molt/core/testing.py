@@ -136,9 +136,12 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 class ServiceProcess:
     """A service started as a child process, ready once its gRPC health check says SERVING."""
 
-    def __init__(self, args: Sequence[str], address: str, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: Sequence[str], address: str, log_path: Path, env: dict[str, str] | None = None, service: str = ""
+    ) -> None:
         self.args = list(args)
         self.address = address
+        self.service = service  # the health-checked service name: proves the right server answers
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
@@ -153,7 +156,7 @@ class ServiceProcess:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"{self.args[:3]} exited with {self.process.returncode}; see {self.log_path}")
                 try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=self.service), timeout=2)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:

@@ -1,9 +1,8 @@
-"""Entry point of ``molt-agent-pool``: settings -> objects -> serve."""
+"""Entry point of ``molt-agent-pool``: settings -> router client, queue, agents -> serve until SIGTERM."""
 
 from __future__ import annotations
 
-import logging
-import sys
+import asyncio
 from collections.abc import Sequence
 
 from molt.agent_pool.config import AgentPoolSettings
@@ -14,10 +13,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = start_service(AgentPoolSettings, "agent_pool", "molt-agent-pool", argv)
     if settings is None:
         return
-    logging.getLogger(__name__).error(
-        "the agent-pool's serving loop is not implemented yet (issue #4); only --dry-run works"
-    )
-    sys.exit(2)
+    from molt.agent_pool.service import serve
+
+    asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,14 @@ class AgentPoolSettings(ServiceSettings):
     episode_timeout_s: float = Field(
         300.0, gt=0, description="An episode running longer fails (counted, not trained on)."
     )
-    max_staleness: int = Field(1, ge=0, description="Pause production when the learner is this many versions behind.")
+    max_staleness: int = Field(
+        1, ge=0, description="Largest policy-version lag a queued sample may reach before the learner uses it."
+    )
+    groups_per_step: int = Field(8, ge=1, description="The learner's groups per optimizer step (paces production).")
+    max_tokens: int = Field(256, ge=1, description="Generation budget of one turn, in tokens.")
+    tokenizer_path: Path = Field(description="Tokenizer (with chat template) of the served model.")
+    seed: int = Field(0, description="Seed of the prompt order.")
+    autostart: bool = Field(True, description="Start producing at launch (else wait for StartRollouts).")
     queue_max_length: int = Field(
         1024, ge=1, description="Bound of the trajectory queue (groups not yet acknowledged)."
     )

@@ -1,0 +1,122 @@
+"""The public agent API: what a user writes to make an agent trainable.
+
+Two shapes, chosen in the recipe by ``agent = "package.module:Class"`` or
+``agent = "path/to/file.py:Class"``:
+
+- ``Env``: molt drives the LLM loop. ``reset(prompt)`` gives the first
+  observation (chat messages), ``step(action_text)`` the next observation,
+  reward and done flag. Observation tokens are masked out of the loss.
+- ``ChatAgent``: your own loop. ``run(client, prompt)`` gets an OpenAI-compatible
+  client (and an Anthropic-compatible one) pointed at molt's HTTP front, which
+  records the exact sampled tokens; it returns the episode's reward.
+
+Both may be written with plain or ``async`` methods. One instance serves one
+episode (molt creates a fresh one per episode), so instance state is safe.
+
+Example::
+
+    class Countdown(Env):
+        async def reset(self, prompt):
+            self.target = prompt["answer"]
+            return [{"role": "user", "content": prompt["question"]}]
+
+        async def step(self, action):
+            return StepResult(reward=float(action.strip() == self.target), done=True)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ..., ["tool_calls"]}
+Prompt = dict[str, Any]  # one line of the prompt dataset (JSONL)
+T = TypeVar("T")
+
+
+@dataclass
+class StepResult:
+    """What ``Env.step`` returns. ``observation``: messages to append (tool output, feedback); None when done."""
+
+    observation: list[Message] | None = None
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentResult:
+    """What ``ChatAgent.run`` returns: the episode's reward and optional named components for logging."""
+
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env(ABC):
+    """An environment molt drives: the model's text goes in, observations and rewards come out.
+
+    Class attributes: ``tools`` (OpenAI tool schemas rendered into the prompt), ``max_turns``.
+    """
+
+    tools: list[dict[str, Any]] | None = None
+    max_turns: int = 8
+
+    @abstractmethod
+    def reset(self, prompt: Prompt) -> list[Message] | Awaitable[list[Message]]:
+        """The first messages of the episode (system and/or user)."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult | Awaitable[StepResult]:
+        """Reacts to the model's reply text (tool calls appear as ``<tool_call>...</tool_call>`` markup)."""
+
+
+class ChatAgent(ABC):
+    """An agent with its own loop, talking to molt's OpenAI/Anthropic-compatible front."""
+
+    @abstractmethod
+    def run(self, client: Any, prompt: Prompt) -> AgentResult | float | Awaitable[AgentResult | float]:
+        """Runs one episode with ``client`` (an ``openai.AsyncOpenAI``) or ``self.anthropic``.
+
+        ``self.anthropic`` is an ``anthropic.AsyncAnthropic`` on the same episode.
+        """
+
+    anthropic: Any = None
+
+
+async def maybe_await(value: T | Awaitable[T]) -> T:
+    """Lets user methods be plain or ``async``."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def load_agent(spec: str) -> type[Env] | type[ChatAgent]:
+    """Resolves ``module:Class`` or ``path/file.py:Class`` to an Env or ChatAgent subclass."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"agent {spec!r} must look like 'package.module:Class' or 'path/to/file.py:Class'")
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ValueError(f"agent file {path} does not exist")
+        module_name = f"molt_agent_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    cls = getattr(module, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, (Env, ChatAgent))):
+        raise ValueError(f"{spec!r} is not an Env or ChatAgent subclass")
+    return cls

@@ -1,0 +1,103 @@
+"""Runs one episode: an Env (molt drives the model) or a ChatAgent (its own loop via the HTTP front).
+
+An episode ends when the Env says ``done``, after ``Env.max_turns`` turns, or
+when the conversation no longer fits the model's context (finish "length").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt, maybe_await
+from molt.agent_pool.router_client import GenerationRequest, RouterClient
+from molt.agent_pool.transcript import Segment, Transcript
+
+if TYPE_CHECKING:  # the front imports TurnLimits from here
+    from molt.agent_pool.front import ChatFront
+
+
+@dataclass
+class Episode:
+    """A finished episode: its segments (token-exact) and its reward."""
+
+    rollout_id: str
+    segments: list[Segment]
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    started: float = 0.0
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """Per-turn generation budget and the model's context."""
+
+    max_tokens: int
+    max_model_len: int
+
+
+async def run_env_episode(
+    env: Env, prompt: Prompt, transcript: Transcript, router: RouterClient, limits: TurnLimits
+) -> Episode:
+    """Plays ``env`` on ``prompt`` through the router; the reward is the sum of the step rewards."""
+    rollout_id = uuid.uuid4().hex
+    started, wall = time.time(), time.monotonic()
+    messages: list[Message] = list(await maybe_await(env.reset(prompt)))
+    reward, finish = 0.0, "length"
+    for turn in range(env.max_turns):
+        plan = transcript.plan(messages, env.tools)
+        budget = min(limits.max_tokens, limits.max_model_len - len(plan.prompt_ids))
+        if budget < 1:
+            break  # the conversation filled the context: the episode ends as truncated
+        request = GenerationRequest(f"{rollout_id}-{turn}", rollout_id, plan.prompt_ids, max_tokens=budget)
+        (sample,) = await router.generate(request)
+        text = transcript.reply_text(sample.token_ids)
+        reply: Message = {"role": "assistant", "content": text}
+        transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, reply)
+        result = await maybe_await(env.step(text))
+        reward += float(result.reward)
+        if result.done:
+            finish = sample.finish_reason or "stop"
+            break
+        messages = [*messages, reply, *(result.observation or [])]
+    return Episode(
+        rollout_id=rollout_id,
+        segments=[s for s in transcript.segments if s.turns],
+        reward=reward,
+        finish_reason=finish,
+        started=started,
+        duration_s=time.monotonic() - wall,
+    )
+
+
+async def run_chat_episode(agent: ChatAgent, prompt: Prompt, front: ChatFront, base_url: str) -> Episode:
+    """Runs the user's own loop against a fresh front session; the session's transcript is the episode."""
+    import anthropic  # the official SDKs: a ChatAgent gets real clients, not look-alikes
+    import openai
+
+    session = front.open_session()
+    started, wall = time.time(), time.monotonic()
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/s/{session.id}/v1", api_key=session.key)
+    agent.anthropic = anthropic.AsyncAnthropic(base_url=f"{base_url}/s/{session.id}", api_key=session.key)
+    try:
+        result = await maybe_await(agent.run(client, prompt))
+    finally:
+        front.close_session(session.id)
+        await client.close()
+        await agent.anthropic.close()
+    if isinstance(result, AgentResult):
+        reward, components = float(result.reward), dict(result.reward_components)
+    else:
+        reward, components = float(result), {}
+    return Episode(
+        rollout_id=uuid.uuid4().hex,
+        segments=[s for s in session.transcript.segments if s.turns],
+        reward=reward,
+        reward_components=components,
+        started=started,
+        duration_s=time.monotonic() - wall,
+    )

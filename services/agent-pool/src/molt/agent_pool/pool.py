@@ -1,0 +1,234 @@
+"""The streaming pool: keeps prompt groups in flight and queues each group once all its episodes end.
+
+- ``groups_in_flight`` groups run at once, ``max_concurrent_episodes`` episodes in all;
+  a slow group never blocks the others (its tail carries over, it is not dropped).
+- An episode that raises, times out or loses the router is a *failed* episode:
+  counted by reason, logged with its traceback, never queued.
+- Dynamic filtering drops groups whose mean reward is not strictly inside the band.
+- Staleness backpressure: group k starts only when the policy version is at least
+  ``k // groups_per_step - max_staleness``, so no queued sample can be more than
+  ``max_staleness`` versions old when the learner reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from molt.agent_pool.agents import Prompt
+from molt.agent_pool.config import AgentPoolSettings
+from molt.agent_pool.episodes import Episode
+from molt.core.errors import InvalidInput, Unavailable
+from molt.core.queue import TrajectoryQueue
+from molt.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+EpisodeRunner = Callable[[Prompt], Awaitable[Episode]]
+FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "aborted": common_pb2.FINISH_REASON_ABORTED,
+}
+
+
+class PromptSource:
+    """Cycles through a JSONL prompt file, reshuffled (seeded) every epoch."""
+
+    def __init__(self, path: Path, seed: int = 0) -> None:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise InvalidInput(f"prompt file {path} is empty")
+        self.prompts: list[Prompt] = []
+        for number, line in enumerate(lines, 1):
+            prompt = json.loads(line)
+            if not isinstance(prompt, dict):
+                raise InvalidInput(f"{path}:{number} is not a JSON object")
+            prompt.setdefault("id", f"{path.stem}-{number}")
+            self.prompts.append(prompt)
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+
+    def next(self) -> Prompt:
+        if not self.order:
+            self.order = list(range(len(self.prompts)))
+            self.rng.shuffle(self.order)
+        return self.prompts[self.order.pop()]
+
+
+@dataclass
+class PoolStats:
+    """Counters since start (reported by GetAgentPoolStatus and the metrics)."""
+
+    started_groups: int = 0
+    in_flight_groups: int = 0
+    in_flight_episodes: int = 0
+    completed_episodes: int = 0
+    failed_episodes: Counter[str] = field(default_factory=Counter)
+    filtered_groups: Counter[str] = field(default_factory=Counter)
+    queued_groups: int = 0
+    queued_trajectories: int = 0
+    recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    backpressured: bool = False
+
+
+class RolloutPool:
+    """Produces TrajectoryGroups from an episode runner into the queue."""
+
+    def __init__(
+        self,
+        settings: AgentPoolSettings,
+        runner: EpisodeRunner,
+        prompts: PromptSource,
+        queue: TrajectoryQueue,
+        policy_version: Callable[[], int],
+    ) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.prompts = prompts
+        self.queue = queue
+        self.policy_version = policy_version
+        self.stats = PoolStats()
+        self.episodes = asyncio.Semaphore(settings.max_concurrent_episodes)
+        self.groups: set[asyncio.Task[None]] = set()
+        self.producer: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.producer is not None and not self.producer.done()
+
+    def start(self, max_groups: int = 0) -> bool:
+        """Starts producing (``max_groups`` = 0: until stopped); False if already running."""
+        if self.running:
+            return False
+        self.producer = asyncio.create_task(self._produce(max_groups))
+        return True
+
+    async def stop(self, drain: bool) -> int:
+        """Stops starting groups; waits for in-flight ones (drain) or cancels them. Returns abandoned episodes."""
+        if self.producer is not None:
+            self.producer.cancel()
+        abandoned = 0 if drain else self.stats.in_flight_episodes
+        if not drain:
+            for task in self.groups:
+                task.cancel()
+        await asyncio.gather(*self.groups, return_exceptions=True)
+        return abandoned
+
+    async def wait_idle(self) -> None:
+        """Waits until the producer has finished and every group ended."""
+        if self.producer is not None:
+            await asyncio.gather(self.producer, return_exceptions=True)
+        await asyncio.gather(*self.groups, return_exceptions=True)
+
+    async def _produce(self, max_groups: int) -> None:
+        slots = asyncio.Semaphore(self.settings.groups_in_flight)
+        while max_groups == 0 or self.stats.started_groups < max_groups:
+            await slots.acquire()
+            await self._wait_for_learner(self.stats.started_groups)
+            self.stats.started_groups += 1
+            task = asyncio.create_task(self._group(self.prompts.next()))
+            self.groups.add(task)
+            task.add_done_callback(lambda t: (self.groups.discard(t), slots.release()))
+
+    async def _wait_for_learner(self, index: int) -> None:
+        needed = index // self.settings.groups_per_step - self.settings.max_staleness
+        while self.policy_version() < needed:
+            if not self.stats.backpressured:
+                log.info("waiting for the learner", extra={"needed_version": needed, "group": index})
+            self.stats.backpressured = True
+            await asyncio.sleep(0.2)
+        self.stats.backpressured = False
+
+    async def _group(self, prompt: Prompt) -> None:
+        self.stats.in_flight_groups += 1
+        try:
+            results = await asyncio.gather(*(self._episode(prompt) for _ in range(self.settings.group_size)))
+            episodes = [e for e in results if e is not None]
+            await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
+        finally:
+            self.stats.in_flight_groups -= 1
+
+    async def _episode(self, prompt: Prompt) -> Episode | None:
+        async with self.episodes:
+            self.stats.in_flight_episodes += 1
+            try:
+                episode = await asyncio.wait_for(self.runner(prompt), self.settings.episode_timeout_s)
+            except TimeoutError:
+                return self._failed("timeout", prompt, None)
+            except asyncio.CancelledError:
+                self._failed("stopped", prompt, None)
+                raise
+            except Unavailable as exc:
+                return self._failed("router_unavailable", prompt, exc)
+            except Exception as exc:  # the agent's own code raised: a failed episode, logged with traceback
+                return self._failed("exception", prompt, exc)
+            finally:
+                self.stats.in_flight_episodes -= 1
+        if not episode.segments:
+            return self._failed("no_tokens", prompt, None)
+        self.stats.completed_episodes += 1
+        self.stats.recent_rewards.append(episode.reward)
+        return episode
+
+    def _failed(self, reason: str, prompt: Prompt, exc: BaseException | None) -> None:
+        self.stats.failed_episodes[reason] += 1
+        log.warning("episode failed", exc_info=exc, extra={"reason": reason, "prompt_id": prompt.get("id")})
+
+    async def _queue_group(self, prompt: Prompt, episodes: list[Episode], failed: int) -> None:
+        if not episodes:
+            self.stats.filtered_groups["no_episodes"] += 1
+            return
+        band = self.settings.filter
+        mean = sum(e.reward for e in episodes) / len(episodes)
+        if band.enabled and not band.low < mean < band.high:
+            self.stats.filtered_groups["all_fail" if mean <= band.low else "all_pass"] += 1
+            return
+        group = build_group(self.settings.run.run_id, str(prompt["id"]), episodes, self.settings, failed)
+        result = await asyncio.to_thread(self.queue.put, group)  # blocks while the queue is full
+        self.stats.queued_groups += result.entry_id is not None
+        self.stats.queued_trajectories += len(group.trajectories) - len(result.duplicate_ids)
+
+
+def build_group(
+    run_id: str, prompt_id: str, episodes: list[Episode], settings: AgentPoolSettings, failed: int
+) -> common_pb2.TrajectoryGroup:
+    """The queue payload for one prompt's episodes (every segment of an episode shares its rollout id)."""
+    group = common_pb2.TrajectoryGroup(
+        group_id=uuid.uuid4().hex,
+        prompt_id=prompt_id,
+        run_id=run_id,
+        agent_name=settings.agent,
+        sample_count=settings.group_size,
+        failed_sample_count=failed,
+    )
+    group.create_time.FromSeconds(int(time.time()))
+    for episode in episodes:
+        for index, segment in enumerate(episode.segments):
+            trajectory = group.trajectories.add(
+                trajectory_id=uuid.uuid4().hex,
+                rollout_id=episode.rollout_id,
+                segment_index=index,
+                prompt_token_ids=segment.prompt_ids,
+                response_token_ids=segment.response_ids,
+                rollout_logprobs=segment.logprobs,
+                loss_mask=segment.loss_mask,
+                policy_versions=segment.versions,
+                reward=episode.reward,
+                reward_components=episode.reward_components,
+                finish_reason=FINISH.get(episode.finish_reason, common_pb2.FINISH_REASON_STOP),
+                turn_count=segment.turns,
+            )
+            trajectory.create_time.CopyFrom(timestamp_pb2.Timestamp(seconds=int(episode.started)))
+            trajectory.duration.CopyFrom(duration_pb2.Duration(nanos=0, seconds=int(episode.duration_s)))
+    return group

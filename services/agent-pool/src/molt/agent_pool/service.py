@@ -1,0 +1,124 @@
+"""Wires the agent-pool together: tokenizer, router client, queue, episode runner, pool, gRPC + HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import redis
+import uvicorn
+from transformers import AutoTokenizer
+
+from molt.agent_pool.agents import ChatAgent, Env, Prompt, load_agent
+from molt.agent_pool.config import AgentPoolSettings
+from molt.agent_pool.episodes import Episode, TurnLimits, run_chat_episode, run_env_episode
+from molt.agent_pool.front import ChatFront
+from molt.agent_pool.pool import EpisodeRunner, PromptSource, RolloutPool
+from molt.agent_pool.router_client import RouterClient
+from molt.agent_pool.server import AgentPoolServicer
+from molt.agent_pool.transcript import Transcript
+from molt.core.errors import Unavailable
+from molt.core.queue import TrajectoryQueue
+from molt.core.serve import Registration, ServiceHost
+from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class VersionWatch:
+    """The router's current policy version, polled once a second (the pool paces on it)."""
+
+    def __init__(self, router: RouterClient) -> None:
+        self.router = router
+        self.version = 0
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.version = (await self.router.info()).policy_version
+            except Unavailable as exc:
+                log.error("cannot reach the rollout-router", extra={"error": exc.message})
+            await asyncio.sleep(1.0)
+
+    def __call__(self) -> int:
+        return self.version
+
+
+def env_runner(env_cls: type[Env], tokenizer: object, router: RouterClient, limits: TurnLimits) -> EpisodeRunner:
+    async def run(prompt: Prompt) -> Episode:
+        return await run_env_episode(env_cls(), prompt, Transcript(tokenizer), router, limits)
+
+    return run
+
+
+def chat_runner(agent_cls: type[ChatAgent], front: ChatFront, base_url: str) -> EpisodeRunner:
+    async def run(prompt: Prompt) -> Episode:
+        return await run_chat_episode(agent_cls(), prompt, front, base_url)
+
+    return run
+
+
+class FrontServer(uvicorn.Server):
+    """uvicorn inside the service's event loop; signals stay with the gRPC host's graceful shutdown."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+async def start_front(front: ChatFront, listen: str) -> tuple[FrontServer, asyncio.Task[None], str]:
+    host, port = listen.rsplit(":", 1)
+    server = FrontServer(uvicorn.Config(front.app, host=host, port=int(port), log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # raises the bind error
+            raise OSError(f"the HTTP front could not start on {listen}")
+        await asyncio.sleep(0.05)
+    return server, task, f"http://{listen}"
+
+
+async def serve(settings: AgentPoolSettings) -> None:
+    router = RouterClient(settings.router_address)
+    info = await router.info()  # fails fast, with the address, when the router is not there
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+    agent_cls = load_agent(settings.agent)
+    limits = TurnLimits(settings.max_tokens, info.max_model_len)
+    front = ChatFront(tokenizer, router, limits)
+    server, front_task, base_url = await start_front(front, settings.http_listen)
+    if issubclass(agent_cls, Env):
+        runner = env_runner(agent_cls, tokenizer, router, limits)
+    else:
+        runner = chat_runner(agent_cls, front, base_url)
+    queue = TrajectoryQueue(
+        redis.Redis.from_url(settings.run.redis_url), settings.run.run_id, max_length=settings.queue_max_length
+    )
+    watch = VersionWatch(router)
+    watch.task = asyncio.create_task(watch.run())
+    pool = RolloutPool(settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch)
+    host = ServiceHost(
+        name="agent-pool",
+        listen=settings.listen,
+        registrations=[
+            Registration(
+                agent_pool_pb2_grpc.add_AgentPoolServiceServicer_to_server,
+                AgentPoolServicer(pool, watch),
+                agent_pool_pb2.DESCRIPTOR.services_by_name["AgentPoolService"].full_name,
+            )
+        ],
+        metrics_port=settings.metrics_port,
+    )
+    await host.start()
+    if settings.autostart:
+        pool.start()
+
+    async def stop() -> None:
+        await pool.stop(drain=False)
+        if watch.task is not None:
+            watch.task.cancel()
+        server.should_exit = True
+        await front_task
+        await router.close()
+
+    await host.serve_until_signal(on_stop=stop)
