@@ -1,4 +1,10 @@
-"""Settings of the learner (the recipe's ``[learner]`` table)."""
+"""Settings of the learner (the recipe's ``[learner]`` table) and the start-up soundness check.
+
+``LearnerSettings`` is built once in ``__main__``. ``unsound_settings`` lists the
+combinations that would train silently wrong (off-policy data without IS
+correction, IS on renormalised sampling, group estimators without groups);
+``check_sound`` turns them into one ``ConfigError`` before any model is loaded.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.core.config import ServiceSettings
+from molt.core.errors import ConfigError
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
+# Estimators the learner runs; gae needs a critic and on_policy_distill a teacher, neither exists yet.
+SUPPORTED_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce")
 
 
 class OptimizerSettings(BaseModel):
@@ -18,8 +29,10 @@ class OptimizerSettings(BaseModel):
     lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     total_steps: int = Field(1000, ge=1, description="Steps of the schedule (decay ends here).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="LR at the end of the cosine, as a fraction of lr.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
 
 
@@ -40,24 +53,55 @@ class AlgorithmSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     estimator: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"] = (
-        Field("grpo", description="Advantage estimator.")
+        Field("grpo", description="Advantage estimator (gae and on_policy_distill are refused at start-up).")
     )
     loss: Literal["ppo", "gspo", "cispo"] = Field("ppo", description="Policy-loss surrogate.")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "prompt_mean_token_mean"] = Field(
         "token_mean", description="How per-token losses are reduced over one optimizer step."
     )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below 1.")
-    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 (CISPO: the weight's ceiling - 1).")
+    dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1 on negative advantages; unset = off.")
+    reward_clip: float = Field(10.0, gt=0, description="Rewards are clamped to [-reward_clip, reward_clip].")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient; 0 disables the reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss term.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     importance_sampling: ImportanceSamplingSettings = Field(
         default_factory=ImportanceSamplingSettings, description="IS correction."
     )
 
 
+class RolloutMirrorSettings(BaseModel):
+    """How the rollouts were sampled: copies of the router's / agent-pool's values, which must match."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(
+        1.0, gt=0, description="The router's [router.sampling] temperature; logits are divided by it."
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="The router's top_p; < 1 with IS correction is refused.")
+    top_k: int = Field(-1, ge=-1, description="The router's top_k (-1: none); a cut with IS correction is refused.")
+    partial_rollout: bool = Field(
+        False, description="The router keeps requests across refits, so one response can mix policy versions."
+    )
+
+
+class SFTSettings(BaseModel):
+    """Supervised warm-up on chat data: loss on assistant turns only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data_path: Path = Field(description='JSONL chat data, one {"messages": [...]} object per line.')
+    epochs: int = Field(1, ge=1, description="Passes over the data.")
+    samples_per_step: int = Field(8, ge=1, description="Conversations per optimizer step.")
+    max_length: int = Field(2048, ge=2, description="Conversations are truncated to this many tokens.")
+    output_dir: Path | None = Field(None, description="Where the tuned model is saved; unset = <run_dir>/sft-model.")
+
+
 class LearnerSettings(ServiceSettings):
     """molt-learner: trains the policy on trajectory groups from the queue."""
 
+    mode: Literal["rl", "sft"] = Field("rl", description="rl: train from the queue; sft: supervised warm-up on sft.")
     listen: str = Field("127.0.0.1:50053", description="gRPC listen address host:port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     broadcaster_address: str = Field("127.0.0.1:50054", description="WeightService address host:port.")
@@ -65,11 +109,77 @@ class LearnerSettings(ServiceSettings):
     backend: Literal["auto", "torch", "automodel"] = Field(
         "auto", description="auto: AutoModel where CUDA is present, else transformers + torch FSDP2."
     )
-    data_parallel_size: int = Field(1, ge=1, description="Training ranks (FSDP2).")
+    data_parallel_size: int = Field(1, ge=1, description="Training ranks (FSDP2; CPU ranks use gloo).")
+    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port of the ranks; 0 picks a free one.")
+    seed: int = Field(0, description="Seed of torch / python RNGs (saved and restored with checkpoints).")
+    group_size: int = Field(8, ge=1, description="Samples per prompt, n (the agent-pool's group_size).")
     groups_per_step: int = Field(8, ge=1, description="Trajectory groups per optimizer step.")
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one packed micro-batch.")
     max_staleness: int = Field(1, ge=0, description="Drop samples whose oldest token is more versions behind.")
+    rollout: RolloutMirrorSettings = Field(
+        default_factory=RolloutMirrorSettings, description="How rollouts were sampled."
+    )
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="RL algorithm.")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="Optimizer and schedule.")
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept (older ones pruned).")
+    max_steps: int = Field(
+        0, ge=0, description="Stop (with a checkpoint) after this many steps; 0 = run until stopped."
+    )
+    poll_s: float = Field(1.0, gt=0, description="Longest wait of one queue read, seconds.")
+    idle_warning_s: float = Field(120.0, gt=0, description="Warn when no trajectory arrived for this long, seconds.")
+    status_every_s: float = Field(30.0, gt=0, description="Interval of the one-line status log, seconds.")
+    plot_every: int = Field(10, ge=1, description="Steps between refreshes of <run_dir>/reward.png.")
+    sft: SFTSettings | None = Field(None, description="Supervised fine-tuning data (mode = sft).")
+
+
+def unsound_settings(settings: LearnerSettings) -> list[str]:
+    """Every combination that would make the learner train on wrongly weighted data, with the reason."""
+    algo = settings.algorithm
+    is_on = algo.importance_sampling.level != "off"
+    problems: list[str] = []
+    if not is_on and (settings.max_staleness > 0 or settings.rollout.partial_rollout):
+        problems.append(
+            f"off-policy training (max_staleness = {settings.max_staleness}, partial_rollout = "
+            f"{settings.rollout.partial_rollout}) needs importance-sampling correction: tokens sampled by an "
+            f"older policy would be trained on as if the current one produced them; set "
+            f"algorithm.importance_sampling.level, or max_staleness = 0 and partial_rollout = false"
+        )
+    if algo.importance_sampling.level in ("seq", "geo") and algo.importance_sampling.mode != "mask":
+        problems.append(
+            f"importance_sampling.level = {algo.importance_sampling.level!r} accepts only mode 'mask': a "
+            f"sequence ratio can only accept or reject a sequence, not rescale every token"
+        )
+    if algo.estimator in GROUP_ESTIMATORS and settings.group_size < 2:
+        problems.append(
+            f"estimator {algo.estimator!r} normalises within a prompt's group, and group_size = "
+            f"{settings.group_size} gives every sample a zero advantage; use group_size >= 2 or 'reinforce'"
+        )
+    if is_on and settings.rollout.top_p < 1:
+        problems.append(
+            f"rollout.top_p = {settings.rollout.top_p} with IS correction: the engine renormalises over the "
+            f"nucleus, so its logprobs are not the policy's and every ratio is biased; use top_p = 1"
+        )
+    if is_on and settings.rollout.top_k > 0:
+        problems.append(
+            f"rollout.top_k = {settings.rollout.top_k} with IS correction: the engine renormalises over the "
+            f"top k, so its logprobs are not the policy's; use top_k = -1"
+        )
+    if algo.estimator not in SUPPORTED_ESTIMATORS:
+        problems.append(f"estimator {algo.estimator!r} is not supported by this learner (needs a critic or teacher)")
+    if algo.loss == "gspo" and algo.dual_clip is not None:
+        problems.append("dual_clip is defined for token ratios only; gspo takes none")
+    if settings.backend == "automodel":
+        problems.append("backend 'automodel' is not available in this learner yet; use 'torch' (or 'auto')")
+    if settings.mode == "sft" and settings.sft is None:
+        problems.append("mode = 'sft' needs an [learner.sft] table with data_path")
+    if settings.mode == "sft" and settings.data_parallel_size > 1:
+        problems.append("mode = 'sft' runs on one rank; set data_parallel_size = 1")
+    return problems
+
+
+def check_sound(settings: LearnerSettings) -> None:
+    """Raises ``ConfigError`` listing every unsound combination (called at start-up)."""
+    problems = unsound_settings(settings)
+    if problems:
+        raise ConfigError("unsound learner settings:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,197 @@
+"""From queue payloads to training samples: ``TrajectoryGroup`` protobufs in, ``Sample`` tensors out.
+
+``build_group`` turns one group into samples the moment it is read, and drops,
+counted by reason (``DropReason``), what must not be trained on: groups with a
+token id outside the model's vocabulary (checked once per group, vectorised),
+samples older than ``max_staleness`` policy versions, trajectory ids already
+trained on, samples without a single policy token. ``assemble`` then gives the
+samples of one optimizer step the integer group and rollout ids the estimators
+in ``molt.algos.advantages`` take, and ``padded`` lays per-token arrays on a
+``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights).
+
+Token arrays use the *next-token* axis: entry ``k`` of ``loss_mask``,
+``rollout_logprobs`` and ``policy_versions`` describes ``input_ids[k + 1]``, the
+token the model predicts from position ``k``. The prompt is never empty (the
+queue checks it), so every response token has a predecessor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from molt.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+DropReason = Literal["invalid_token", "stale", "duplicate", "no_loss_tokens", "group_of_one"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trajectory (segment) as the learner trains on it."""
+
+    trajectory_id: str
+    group_key: str  # TrajectoryGroup.group_id
+    rollout_key: str  # Trajectory.rollout_id: segments of one episode share it
+    input_ids: Tensor  # [L] int64: prompt + response
+    loss_mask: Tensor  # [L - 1] bool, next-token axis: true where input_ids[k + 1] was sampled by the policy
+    rollout_logprobs: Tensor  # [L - 1] float32, next-token axis; 0 off the mask
+    policy_versions: Tensor  # [L - 1] int64, next-token axis; the prompt positions repeat the first version
+    reward: float
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class GroupOutcome:
+    """What ``build_group`` kept, and what it dropped by reason (counted in trajectories)."""
+
+    samples: list[Sample]
+    dropped: Counter[str]
+
+
+def _sample(group: common_pb2.TrajectoryGroup, t: common_pb2.Trajectory) -> Sample:
+    prompt = torch.tensor(list(t.prompt_token_ids), dtype=torch.int64)
+    response = torch.tensor(list(t.response_token_ids), dtype=torch.int64)
+    mask = torch.tensor(list(t.loss_mask), dtype=torch.bool)
+    versions = torch.tensor(list(t.policy_versions), dtype=torch.int64)
+    first_version = versions[:1] if versions.numel() else torch.zeros(1, dtype=torch.int64)
+    pad = prompt.numel() - 1  # prompt positions that predict prompt tokens
+    return Sample(
+        trajectory_id=t.trajectory_id,
+        group_key=group.group_id,
+        rollout_key=t.rollout_id,
+        input_ids=torch.cat([prompt, response]),
+        loss_mask=torch.cat([torch.zeros(pad, dtype=torch.bool), mask]),
+        rollout_logprobs=torch.cat([torch.zeros(pad), torch.tensor(list(t.rollout_logprobs), dtype=torch.float32)]),
+        policy_versions=torch.cat([first_version.expand(pad), versions]),
+        reward=float(t.reward),
+    )
+
+
+def _invalid_token(group: common_pb2.TrajectoryGroup, vocab_size: int) -> str | None:
+    """A description of the first out-of-vocabulary token id of the group, or None (one vectorised check)."""
+    ids = torch.tensor(
+        [i for t in group.trajectories for field in (t.prompt_token_ids, t.response_token_ids) for i in field],
+        dtype=torch.int64,
+    )
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if not bad.numel():
+        return None
+    return f"token id {int(ids[bad[0, 0]])} is outside the vocabulary [0, {vocab_size})"
+
+
+def build_group(
+    group: common_pb2.TrajectoryGroup,
+    *,
+    vocab_size: int,
+    current_version: int,
+    max_staleness: int,
+    consumed: Container[str],
+    needs_groups: bool,
+) -> GroupOutcome:
+    """Samples of ``group`` that may be trained on at ``current_version``; the rest counted by reason.
+
+    ``consumed``: trajectory ids already trained on (a re-delivered entry after a crash).
+    ``needs_groups``: the estimator normalises within a group, so a group produced with
+    ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
+    """
+    dropped: Counter[str] = Counter()
+    count = len(group.trajectories)
+    problem = _invalid_token(group, vocab_size)
+    if problem is not None:
+        log.warning("dropping a group with an invalid token", extra={"groupId": group.group_id, "problem": problem})
+        dropped["invalid_token"] += count
+        return GroupOutcome([], dropped)
+    if needs_groups and group.sample_count < 2:
+        dropped["group_of_one"] += count
+        return GroupOutcome([], dropped)
+    samples: list[Sample] = []
+    for trajectory in group.trajectories:
+        if trajectory.trajectory_id in consumed:
+            dropped["duplicate"] += 1
+            continue
+        sample = _sample(group, trajectory)
+        if not sample.loss_tokens:
+            dropped["no_loss_tokens"] += 1
+            continue
+        oldest = int(sample.policy_versions[sample.loss_mask].min())
+        if current_version - oldest > max_staleness:
+            dropped["stale"] += 1
+            continue
+        samples.append(sample)
+    return GroupOutcome(samples, dropped)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The samples of one optimizer step (the global batch, identical on every rank) and their ids."""
+
+    samples: list[Sample]
+    group_ids: Tensor  # [S] int64, 0..G-1 in first-seen order
+    rollout_ids: Tensor  # [S] int64, 0..E-1 in first-seen order; segments of one episode share one
+    rewards: Tensor  # [S] float32
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.samples]
+
+    @property
+    def trajectory_ids(self) -> list[str]:
+        return [s.trajectory_id for s in self.samples]
+
+
+def _dense_ids(keys: Sequence[str]) -> Tensor:
+    index: dict[str, int] = {}
+    return torch.tensor([index.setdefault(k, len(index)) for k in keys], dtype=torch.int64)
+
+
+def assemble(samples: Sequence[Sample]) -> StepBatch:
+    """Gives the step's samples dense integer group and rollout ids (the estimators' inputs)."""
+    if not samples:
+        raise ValueError("a step needs at least one sample")
+    return StepBatch(
+        samples=list(samples),
+        group_ids=_dense_ids([s.group_key for s in samples]),
+        rollout_ids=_dense_ids([s.rollout_key for s in samples]),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+    )
+
+
+def padded(rows: Sequence[Tensor], width: int | None = None) -> Tensor:
+    """Right-pads 1-D tensors with zeros (False) to ``[len(rows), width]`` (default: the longest row)."""
+    width = max(int(r.numel()) for r in rows) if width is None else width
+    out = torch.zeros((len(rows), width), dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def batch_stats(batch: StepBatch, current_version: int) -> dict[str, float]:
+    """Reward statistics per episode (an episode's segments count once) and staleness per loss token."""
+    _, first = torch.unique(batch.rollout_ids, return_inverse=True)
+    episodes = int(first.max()) + 1
+    rewards = torch.zeros(episodes, dtype=torch.float64).scatter_(0, first, batch.rewards.double())
+    age = torch.cat([current_version - s.policy_versions[s.loss_mask] for s in batch.samples]).double()
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "samples": float(len(batch.samples)),
+        "episodes": float(episodes),
+        "groups": float(int(batch.group_ids.max()) + 1),
+        "staleness/mean": float(age.mean()),
+        "staleness/max": float(age.max()),
+    }

@@ -1,0 +1,52 @@
+"""The policy forward: per-token logprobs (and entropy) of a packed micro-batch, on the ``[B, T]`` grid.
+
+The engine reports logprobs *after temperature* (vLLM's processed logprobs), so
+the learner divides the logits by the rollout temperature before the softmax;
+with any other temperature every IS ratio would be off by a systematic factor.
+Results are scattered from the packed stream back to ``[B, T]`` (next-token
+axis, 0 on padding) because the sequence-level losses and IS units in
+``molt.algos`` work per row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from molt.algos.losses import entropy_from_logits
+from molt.learner.packing import Packed
+
+
+def _grid(values: Tensor, packed: Packed, rows: int) -> Tensor:
+    grid = torch.zeros((rows, packed.width), dtype=values.dtype, device=values.device)
+    return grid.index_put((packed.row.to(values.device), packed.column.to(values.device)), values)
+
+
+def token_logprobs(
+    model: nn.Module,
+    packed: Packed,
+    rows: int,
+    temperature: float,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """``log softmax(logits / temperature)`` of each next token, ``[rows, T]`` float32, and optionally
+    the entropy of each next-token distribution (same grid). Gradients flow through the logprobs, and
+    through the entropy only with ``entropy_grad`` (a bonus term; for logging it is detached).
+
+    Only predicted positions are scored, so the ``[P, V]`` float32 logits are the peak memory.
+    """
+    device = next(model.parameters()).device
+    out = model(
+        input_ids=packed.input_ids.to(device),
+        position_ids=packed.position_ids.to(device),
+        use_cache=False,  # with a cache transformers ignores the packed position ids
+    )
+    scaled = out.logits[0, packed.predict_at.to(device)].float() / temperature
+    targets = packed.targets.to(device)[:, None]
+    logprobs = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    entropies = None
+    if entropy:
+        entropies = _grid(entropy_from_logits(scaled if entropy_grad else scaled.detach()), packed, rows)
+    return _grid(logprobs, packed, rows), entropies

@@ -1,0 +1,377 @@
+"""The learner loop: queue -> samples -> optimizer step -> hook -> checkpoint -> acknowledgement.
+
+Rank 0 is the only queue consumer (``learner-0``): it reads groups, turns them
+into samples at once (``batch.build_group``: invalid, stale, duplicate and empty
+samples are dropped and counted), and once ``groups_per_step`` groups are ready
+it trains on them. With several data-parallel ranks it broadcasts each step's
+global batch (and each checkpoint and the stop) to the followers, which run
+``follow``; every rank then trains its share of the same batch.
+
+A queue entry is acknowledged only after the step that used it (or the read
+that dropped it) is in a complete checkpoint, so with ``checkpoint_every = N``
+up to N steps of entries stay pending. After a crash the restarted learner
+re-reads its pending entries; those trained in a committed step are dropped as
+duplicates (the consumed ids are part of the checkpoint), the others are
+trained again on the restored weights.
+
+After every step ``on_step(step, model)`` runs on rank 0: the seam for the
+weight-broadcaster (issue #6).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from molt.core.errors import Unavailable, WrongState
+from molt.core.queue import TrajectoryQueue
+from molt.learner import metrics as prom
+from molt.learner.batch import Sample, assemble, build_group
+from molt.learner.checkpoint import Checkpoints, RunState
+from molt.learner.config import GROUP_ESTIMATORS, LearnerSettings
+from molt.learner.metrics import MetricsLog
+from molt.learner.ranks import SINGLE, RankInfo
+from molt.learner.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+OnStep = Callable[[int, nn.Module], None]
+
+
+@dataclass
+class ReadyGroup:
+    """A group read from the queue whose samples wait for the next step."""
+
+    entry_id: str
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+
+
+@dataclass
+class LearnerStatus:
+    """A snapshot for GetLearnerStatus (copied under the loop's lock)."""
+
+    step: int
+    policy_version: int
+    consumed_count: int
+    dropped: dict[str, int]
+    last_metrics: dict[str, float]
+    last_checkpoint_step: int
+    last_step_time: float | None
+
+
+@dataclass
+class _Requests:
+    """Control requests from the gRPC thread, served by the loop between steps."""
+
+    checkpoints: dict[str, Future[CheckpointInfo]] = field(default_factory=dict)
+    waiting: list[Future[CheckpointInfo]] = field(default_factory=list)
+    stop: Future[int] | None = None
+    stop_with_checkpoint: bool = True
+
+
+class LearnerLoop:
+    """Rank 0's loop (``run``) and the followers' (``follow``) over one trainer."""
+
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        trainer: Trainer,
+        checkpoints: Checkpoints,
+        *,
+        queue: TrajectoryQueue | None = None,
+        metrics: MetricsLog | None = None,
+        rank: RankInfo = SINGLE,
+        on_step: OnStep | None = None,
+    ) -> None:
+        self.settings = settings
+        self.trainer = trainer
+        self.checkpoints = checkpoints
+        self.queue = queue
+        self.metrics = metrics
+        self.rank = rank
+        self.on_step = on_step
+        self.state = RunState()
+        self.ready: list[ReadyGroup] = []
+        self.settled: list[str] = []  # entry ids whose use is decided, acknowledged at the next checkpoint
+        self.last_metrics: dict[str, float] = {}
+        self.last_checkpoint_step = -1
+        self.last_step_time: float | None = None
+        self._lock = threading.Lock()
+        self._requests = _Requests()
+        self._pending_reread = True
+        self._finished = False  # set under the lock once run() can no longer serve requests
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Loads the newest complete checkpoint, if any (every rank); returns the step to continue from."""
+        newest = self.checkpoints.newest()
+        if newest is not None:
+            self.state = self.checkpoints.load(self.trainer, newest)
+            self.last_checkpoint_step = self.state.step
+            prom.LAST_CHECKPOINT_STEP.set(self.state.step)
+        return self.state.step
+
+    # -- control (called from other threads) ------------------------------------------------------
+
+    def request_checkpoint(self, request_id: str) -> Future[CheckpointInfo]:
+        """A checkpoint after the current step; a repeated ``request_id`` gets the same result."""
+        with self._lock:
+            if request_id and request_id in self._requests.checkpoints:
+                return self._requests.checkpoints[request_id]
+            if self._finished:
+                raise WrongState("the learner has stopped; it writes no more checkpoints", reason="LEARNER_STOPPED")
+            future: Future[CheckpointInfo] = Future()
+            if request_id:
+                self._requests.checkpoints[request_id] = future
+            self._requests.waiting.append(future)
+            return future
+
+    def request_stop(self, save_checkpoint: bool = True) -> Future[int]:
+        """Stops after the current step (checkpointing first when asked); resolves to the last committed step."""
+        with self._lock:
+            if self._requests.stop is None:
+                self._requests.stop = Future()
+                self._requests.stop_with_checkpoint = save_checkpoint
+            return self._requests.stop
+
+    def status(self) -> LearnerStatus:
+        with self._lock:
+            return LearnerStatus(
+                step=self.state.step,
+                policy_version=self.state.policy_version,
+                consumed_count=len(self.state.consumed),
+                dropped=dict(self.state.dropped),
+                last_metrics=dict(self.last_metrics),
+                last_checkpoint_step=self.last_checkpoint_step,
+                last_step_time=self.last_step_time,
+            )
+
+    # -- rank 0 -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Trains until stopped (``request_stop``) or ``max_steps``; returns the last committed step."""
+        if self.queue is None:
+            raise ValueError("rank 0 needs the trajectory queue")
+        clock = _Clock(time.monotonic())
+        try:
+            while not self._should_stop():
+                self._serve_checkpoint_requests()
+                if len(self.ready) >= self.settings.groups_per_step:
+                    self._train_one_step()
+                else:
+                    self._read(clock)
+                clock.maybe_report(self)
+            self._finish()
+        except BaseException as exc:
+            self._fail_requests(exc)
+            raise
+        return self.last_checkpoint_step
+
+    def _should_stop(self) -> bool:
+        max_steps = self.settings.max_steps
+        with self._lock:
+            return self._requests.stop is not None or bool(max_steps and self.state.step >= max_steps)
+
+    def _read(self, clock: _Clock) -> None:
+        assert self.queue is not None
+        need = self.settings.groups_per_step - len(self.ready)
+        if self._pending_reread:
+            # After a restart, our own pending entries are re-delivered only in the first read,
+            # up to its count: ask for all of them (the surplus waits in self.ready).
+            need = max(need, self.queue.stats().pending)
+            self._pending_reread = False
+        entries = self.queue.read(count=need, block_s=self.settings.poll_s)
+        if entries:
+            clock.arrived()
+        needs_groups = self.settings.algorithm.estimator in GROUP_ESTIMATORS
+        for entry in entries:
+            outcome = build_group(
+                entry.group,
+                vocab_size=self.trainer.vocab_size,
+                current_version=self.state.policy_version,
+                max_staleness=self.settings.max_staleness,
+                consumed=self.state.consumed,
+                needs_groups=needs_groups,
+            )
+            self._count_drops(outcome.dropped)
+            if outcome.samples:
+                self.ready.append(ReadyGroup(entry.entry_id, outcome.samples))
+            else:
+                self.settled.append(entry.entry_id)
+        prom.READY_GROUPS.set(len(self.ready))
+
+    def _count_drops(self, dropped: Counter[str]) -> None:
+        with self._lock:
+            for reason, count in dropped.items():
+                self.state.dropped[reason] = self.state.dropped.get(reason, 0) + count
+                prom.DROPPED.labels(reason).inc(count)
+
+    def _trainable(self, groups: list[ReadyGroup]) -> list[Sample]:
+        """The groups' samples, re-checked: a group carried over a step may have gone stale, and one id
+        may have arrived twice (a producer writing around the queue's dedupe)."""
+        oldest_allowed = self.state.policy_version - self.settings.max_staleness
+        seen: set[str] = set()
+        kept: list[Sample] = []
+        dropped: Counter[str] = Counter()
+        for sample in (s for g in groups for s in g.samples):
+            if sample.trajectory_id in self.state.consumed or sample.trajectory_id in seen:
+                dropped["duplicate"] += 1
+            elif int(sample.policy_versions[sample.loss_mask].min()) < oldest_allowed:
+                dropped["stale"] += 1
+            else:
+                seen.add(sample.trajectory_id)
+                kept.append(sample)
+        self._count_drops(dropped)
+        return kept
+
+    def _train_one_step(self) -> None:
+        groups, self.ready = self.ready[: self.settings.groups_per_step], self.ready[self.settings.groups_per_step :]
+        self.settled.extend(g.entry_id for g in groups)
+        samples = self._trainable(groups)
+        if not samples:
+            return
+        batch = assemble(samples)
+        self._broadcast(("step", batch))
+        step_metrics = self.trainer.train_step(batch)
+        step = self.trainer.step
+        with self._lock:
+            for tid in batch.trajectory_ids:
+                self.state.consumed[tid] = step
+            self.state.step = step
+            self.state.policy_version = self.trainer.policy_version
+            self.last_metrics = step_metrics
+            self.last_step_time = time.time()
+        prom.CONSUMED.inc(len(samples))
+        prom.POLICY_VERSION.set(self.state.policy_version)
+        if self.metrics is not None:
+            dropped = {f"dropped/{reason}": float(n) for reason, n in self.state.dropped.items()}
+            self.metrics.record(step, {**step_metrics, **dropped})
+        if self.on_step is not None:
+            self.on_step(step, self.trainer.model)
+        if step % self.settings.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _checkpoint(self) -> CheckpointInfo:
+        """Writes a checkpoint of the current step (unless there is one), then acknowledges the settled
+        entries: only now is their use durable."""
+        assert self.queue is not None
+        newest = self.checkpoints.newest()
+        if self.last_checkpoint_step == self.state.step and newest is not None:
+            # No step since: the settled entries were all dropped, nothing of them is in the weights.
+            path = newest
+        else:
+            self._broadcast(("checkpoint", self.state))
+            path = self.checkpoints.save(self.trainer, self.state)
+        acked = self.queue.ack(self.settled)
+        log.info("checkpoint committed", extra={"step": self.state.step, "acked": acked})
+        self.settled = []
+        with self._lock:
+            self.last_checkpoint_step = self.state.step
+        prom.LAST_CHECKPOINT_STEP.set(self.state.step)
+        return CheckpointInfo(self.state.step, path)
+
+    def _serve_checkpoint_requests(self) -> None:
+        with self._lock:
+            waiting, self._requests.waiting = self._requests.waiting, []
+        if waiting:
+            info = self._checkpoint()
+            for future in waiting:
+                future.set_result(info)
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._finished = True
+            stop = self._requests.stop
+            save = stop is None or self._requests.stop_with_checkpoint
+        if save:
+            self._checkpoint()
+        self._serve_checkpoint_requests()
+        self._broadcast(("stop", None))
+        if self.metrics is not None:
+            self.metrics.close()
+        log.info("learner stopped", extra={"step": self.state.step, "lastCheckpointStep": self.last_checkpoint_step})
+        if stop is not None:
+            stop.set_result(self.last_checkpoint_step)
+
+    def _fail_requests(self, exc: BaseException) -> None:
+        with self._lock:
+            self._finished = True
+            futures = [*self._requests.waiting, *([self._requests.stop] if self._requests.stop else [])]
+        for future in futures:
+            if not future.done():
+                future.set_exception(Unavailable(f"the learner loop failed: {exc!r}", reason="LEARNER_FAILED"))
+
+    def _broadcast(self, command: tuple[str, Any]) -> None:
+        if self.rank.distributed:
+            dist.broadcast_object_list([command], src=0)
+
+    # -- ranks > 0 --------------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """A follower rank: runs rank 0's steps and checkpoints on its shard until rank 0 stops."""
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            command, payload = box[0]
+            if command == "step":
+                self.trainer.train_step(payload)
+            elif command == "checkpoint":
+                self.checkpoints.save(self.trainer, payload)
+            else:
+                return
+
+
+class _Clock:
+    """When trajectories last arrived, and when the status line and the idle warning are due."""
+
+    def __init__(self, now: float) -> None:
+        self.last_arrival = now
+        self.last_report = now
+        self.last_idle_warning = now
+
+    def arrived(self) -> None:
+        self.last_arrival = time.monotonic()
+
+    def maybe_report(self, loop: LearnerLoop) -> None:
+        now = time.monotonic()
+        idle = now - self.last_arrival
+        prom.IDLE_SECONDS.set(idle)
+        settings = loop.settings
+        if idle >= settings.idle_warning_s and now - self.last_idle_warning >= settings.idle_warning_s:
+            self.last_idle_warning = now
+            stats = loop.queue.stats() if loop.queue is not None else None
+            log.warning(
+                "no trajectories for %.0f s: is the agent-pool running and producing to run %r?",
+                idle,
+                settings.run.run_id,
+                extra={"idleSeconds": round(idle, 1), "queue": stats.__dict__ if stats else None},
+            )
+        if now - self.last_report >= settings.status_every_s:
+            self.last_report = now
+            status = loop.status()
+            log.info(
+                "step %d, version %d, %d trained, %d groups ready, reward %.3f",
+                status.step,
+                status.policy_version,
+                status.consumed_count,
+                len(loop.ready),
+                status.last_metrics.get("reward/mean", float("nan")),
+                extra={"dropped": status.dropped, "lastCheckpointStep": status.last_checkpoint_step},
+            )

@@ -1,0 +1,123 @@
+"""Where the learner's numbers go: ``<run_dir>/metrics.jsonl`` (one line per step), Prometheus
+gauges ``molt_learner_*``, TensorBoard events under ``<run_dir>/tensorboard`` and the reward curve
+``<run_dir>/reward.png``, redrawn every ``plot_every`` steps.
+
+After a restart the JSONL keeps the lines of steps that were lost with the crash;
+a reader takes the *last* line of each step (``read_history`` does). TensorBoard
+drops the lost steps itself (``purge_step``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEP = Gauge("molt_learner_step", "Optimizer steps completed.")
+POLICY_VERSION = Gauge("molt_learner_policy_version", "Policy version of the learner's weights.")
+LAST_CHECKPOINT_STEP = Gauge("molt_learner_last_checkpoint_step", "Step of the newest complete checkpoint.")
+IDLE_SECONDS = Gauge("molt_learner_idle_seconds", "Seconds since the last trajectory group arrived.")
+READY_GROUPS = Gauge("molt_learner_ready_groups", "Groups read and waiting for the next step.")
+CONSUMED = Counter("molt_learner_consumed_trajectories_total", "Trajectories trained on.")
+DROPPED = Counter("molt_learner_dropped_trajectories_total", "Trajectories dropped before training.", ["reason"])
+STEP_SECONDS = Histogram("molt_learner_step_seconds", "Wall time of one optimizer step.")
+# Per-step values, keyed by their name in metrics.jsonl.
+STEP_GAUGES = {
+    key: Gauge(f"molt_learner_{key.replace('/', '_')}", doc)
+    for key, doc in {
+        "reward/mean": "Mean episode reward of the last step.",
+        "reward/std": "Std of the episode rewards of the last step.",
+        "advantage/mean": "Mean advantage over loss tokens.",
+        "advantage/std": "Std of the advantages over loss tokens.",
+        "loss/policy": "Per-token mean policy loss.",
+        "clip_fraction": "Fraction of loss tokens where the clipped surrogate was chosen.",
+        "is_ratio_mean": "Mean trainer/engine probability ratio.",
+        "is_filter_ratio": "Fraction of IS units rejected (masked).",
+        "vllm_kl": "k1 estimate of KL(rollout || trainer).",
+        "kl": "KL estimate to the reference model.",
+        "entropy": "Mean next-token entropy over loss tokens.",
+        "grad_norm": "Gradient norm before clipping.",
+        "lr": "Learning rate of the last step.",
+        "tokens_per_s": "Trained tokens per second of step time.",
+        "staleness/mean": "Mean policy-version lag of the trained tokens.",
+        "staleness/max": "Largest policy-version lag of the trained tokens.",
+    }.items()
+}
+
+
+def read_history(path: Path) -> dict[int, dict[str, float]]:
+    """The metrics of each step in ``path`` (the last line of a step wins: earlier ones were lost)."""
+    history: dict[int, dict[str, float]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                history[int(record["step"])] = record
+    return history
+
+
+class MetricsLog:
+    """Writes each step's metrics to every sink; one per run, on rank 0."""
+
+    def __init__(self, run_dir: Path, *, plot_every: int, resumed_step: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = run_dir / "metrics.jsonl"
+        self.plot_path = run_dir / "reward.png"
+        self.plot_every = plot_every
+        self.history = {s: r for s, r in read_history(self.jsonl).items() if s <= resumed_step}
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resumed_step + 1)
+
+    def record(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        with self.jsonl.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        self.history[step] = record
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+            if key in STEP_GAUGES:
+                STEP_GAUGES[key].set(value)
+        STEP.set(step)
+        if "step_seconds" in metrics:
+            STEP_SECONDS.observe(metrics["step_seconds"])
+        if step % self.plot_every == 0:
+            self.plot()
+
+    def plot(self) -> None:
+        """Redraws the reward curve (mean +- std per step), replacing the PNG atomically."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display; must precede pyplot
+        import matplotlib.pyplot as plt
+
+        steps = sorted(s for s, r in self.history.items() if "reward/mean" in r)
+        if not steps:
+            return
+        mean = [self.history[s]["reward/mean"] for s in steps]
+        std = [self.history[s].get("reward/std", 0.0) for s in steps]
+        figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+        axes.plot(steps, mean, label="reward mean")
+        axes.fill_between(
+            steps,
+            [m - d for m, d in zip(mean, std, strict=True)],
+            [m + d for m, d in zip(mean, std, strict=True)],
+            alpha=0.2,
+            label="± std",
+        )
+        axes.set_xlabel("step")
+        axes.set_ylabel("episode reward")
+        axes.legend(loc="best")
+        figure.tight_layout()
+        tmp = self.plot_path.with_suffix(".tmp.png")
+        figure.savefig(tmp)
+        plt.close(figure)
+        os.replace(tmp, self.plot_path)
+
+    def close(self) -> None:
+        self.plot()
+        self.writer.close()

@@ -1,0 +1,109 @@
+"""What one optimizer step minimises: the step's advantages and each micro-batch's share of the loss.
+
+Every term comes from ``molt.algos``; this module only wires them in the order
+the learner applies them:
+
+1. ``step_advantages``: rewards clipped, then the configured estimator over the
+   whole step (group estimators merge segments by rollout id), broadcast to the
+   loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``.
+2. ``micro_loss``: per token ``policy_loss * is_weight (+ kl_coef * kl) (- entropy_coef * H)``,
+   reduced with the step-wide row weights (``aggregation.row_weights``), so the
+   micro-batch losses of all ranks add up to the step's loss with no division by
+   the accumulation count.
+
+The old-policy logprobs equal the current ones detached: the learner takes one
+optimizer step per batch, so the policy that would have scored the batch
+before the update is the one being trained (the reference system skips that
+forward too in its one-step-per-batch mode). IS weights therefore compare the
+trainer with the engine, as intended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from molt.algos import advantages as estimators
+from molt.algos.aggregation import aggregate, masked_mean, row_weights
+from molt.algos.importance import is_weights
+from molt.algos.kl import kl_penalty
+from molt.algos.losses import cispo_loss, gspo_loss, ppo_loss
+from molt.learner.batch import StepBatch, padded
+from molt.learner.config import AlgorithmSettings
+
+GROUP_ESTIMATORS = {
+    "grpo": estimators.grpo,
+    "dr_grpo": estimators.dr_grpo,
+    "rloo": estimators.rloo,
+    "reinforce_baseline": estimators.reinforce_baseline,
+}
+# The reference system whitens these (and gae) over all loss tokens of the step.
+WHITENED = ("reinforce", "reinforce_baseline")
+
+
+def step_advantages(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
+    """Per-token advantages of the whole step, ``[S, T]`` float32 on the next-token axis, 0 off the mask."""
+    mask = padded([s.loss_mask for s in batch.samples])
+    rewards = estimators.clip_rewards(batch.rewards, -algo.reward_clip, algo.reward_clip)
+    if algo.estimator == "reinforce":
+        advantages = estimators.reinforce(rewards, mask)
+    elif algo.estimator in GROUP_ESTIMATORS:
+        per_segment = GROUP_ESTIMATORS[algo.estimator](rewards, batch.group_ids, batch.rollout_ids)
+        advantages = per_segment[:, None] * mask
+    else:
+        raise ValueError(f"estimator {algo.estimator!r} is not supported by the learner")
+    if algo.estimator in WHITENED:
+        advantages = estimators.whiten(advantages, mask)
+    return advantages
+
+
+def step_row_weights(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
+    """``[S]`` float64 aggregation weights of the whole step (all micro-batches, all ranks)."""
+    return row_weights(padded([s.loss_mask for s in batch.samples]), algo.aggregation, batch.group_ids)
+
+
+@dataclass(frozen=True)
+class MicroInputs:
+    """One micro-batch on the ``[B, T]`` grid; ``logprobs`` (and ``entropy``) carry the gradient."""
+
+    logprobs: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    weights: Tensor  # [B], this micro-batch's slice of step_row_weights
+    entropy: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+
+
+def _policy_loss(inputs: MicroInputs, old: Tensor, algo: AlgorithmSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    args = (inputs.logprobs, old, inputs.advantages, inputs.loss_mask)
+    if algo.loss == "ppo":
+        return ppo_loss(*args, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+    if algo.loss == "gspo":
+        return gspo_loss(*args, clip_low=algo.clip_low, clip_high=algo.clip_high)
+    return cispo_loss(*args, clip_high=algo.clip_high)
+
+
+def micro_loss(inputs: MicroInputs, algo: AlgorithmSettings, scale: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the step loss (times ``scale``, the data-parallel world size, because
+    FSDP averages gradients over ranks) and its stats: detached token means over its loss tokens."""
+    old = inputs.logprobs.detach()
+    ism = algo.importance_sampling
+    weights, stats = is_weights(
+        old, inputs.rollout_logprobs, inputs.loss_mask, level=ism.level, mode=ism.mode, low=ism.low, high=ism.high
+    )
+    policy, policy_stats = _policy_loss(inputs, old, algo)
+    stats = {**stats, **policy_stats, "loss/policy": masked_mean(policy.detach(), inputs.loss_mask)}
+    per_token = policy * weights
+    if inputs.ref_logprobs is not None:
+        kl = kl_penalty(inputs.logprobs, inputs.ref_logprobs, inputs.loss_mask, algo.kl_estimator)
+        per_token = per_token + algo.kl_coef * kl
+        stats["kl"] = masked_mean(kl.detach(), inputs.loss_mask)
+    if inputs.entropy is not None:
+        stats["entropy"] = masked_mean(inputs.entropy.detach(), inputs.loss_mask)
+        if algo.entropy_coef > 0:
+            per_token = per_token - algo.entropy_coef * inputs.entropy
+    loss = aggregate(per_token, inputs.loss_mask, inputs.weights) * scale
+    return loss, {k: v.detach().to(torch.float64) for k, v in stats.items()}

@@ -1,0 +1,71 @@
+"""Data-parallel ranks: who this process is, the process group, and starting the other ranks.
+
+Ranks are local processes started with ``torch.multiprocessing`` (the Ray
+placement of ranks on a cluster is not built yet). CPU ranks talk over gloo,
+GPU ranks over NCCL; the rendezvous is ``127.0.0.1:<master_port>``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Followers wait in a broadcast while rank 0 waits for trajectories: the default
+# 30-minute collective timeout would kill an idle but healthy run.
+COLLECTIVE_TIMEOUT = timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place among the data-parallel ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+SINGLE = RankInfo()
+
+
+def device_for(rank: RankInfo) -> torch.device:
+    """The rank's device: its GPU when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank.rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_group(rank: RankInfo, master_port: int) -> None:
+    """Joins the process group of ``rank.world_size`` ranks (no-op for a single rank)."""
+    if not rank.distributed:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank.rank,
+        world_size=rank.world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A free loopback TCP port for the rendezvous (``master_port = 0``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,107 @@
+"""Running the learner: one process per data-parallel rank; rank 0 serves LearnerService and reads
+the queue, the other ranks follow its steps.
+
+``launch`` starts ``data_parallel_size`` ranks as local processes (torch
+multiprocessing; a Ray placement of ranks is not built yet) and ``run_rank``
+builds one rank's objects: trainer, checkpoints (resuming from the newest),
+and on rank 0 the queue consumer, the metrics sinks, the gRPC server with
+health, reflection and ``/metrics``, and the loop thread. SIGTERM/SIGINT stop
+the loop after its current step, with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import redis
+import torch.multiprocessing as mp
+
+from molt.core.log import setup_logging
+from molt.core.queue import TrajectoryQueue
+from molt.core.serve import Registration, ServiceHost
+from molt.learner.checkpoint import Checkpoints
+from molt.learner.config import LearnerSettings
+from molt.learner.loop import LearnerLoop, OnStep
+from molt.learner.metrics import MetricsLog
+from molt.learner.ranks import RankInfo, free_port, init_group, leave_group
+from molt.learner.server import LearnerServicer
+from molt.learner.trainer import Trainer
+from molt.v1 import learner_pb2, learner_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
+
+
+def launch(settings: LearnerSettings, on_step: OnStep | None = None) -> None:
+    """Runs the learner until it stops: in this process for one rank, else one process per rank."""
+    run_dir = settings.run.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "learner-settings.json").write_text(settings.model_dump_json(indent=2))
+    world = settings.data_parallel_size
+    if world == 1:
+        run_rank(0, 1, settings, 0, on_step)
+        return
+    port = settings.master_port or free_port()
+    ranks = mp.start_processes(
+        _spawned_rank, args=(world, settings, port), nprocs=world, join=False, start_method="spawn"
+    )
+    # SIGTERM reaches this parent only: hand it to rank 0, whose loop stops after its step with a
+    # checkpoint and tells the followers to stop.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(ranks.pids()[0], signal.SIGTERM))
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _spawned_rank(rank: int, world: int, settings: LearnerSettings, port: int) -> None:
+    setup_logging(f"molt-learner[{rank}]", settings.run.run_id)  # a spawned process starts without handlers
+    run_rank(rank, world, settings, port, None)
+
+
+def run_rank(rank: int, world: int, settings: LearnerSettings, port: int, on_step: OnStep | None) -> None:
+    """One rank's life: join the group, build, resume, then lead (rank 0) or follow."""
+    info = RankInfo(rank, world)
+    init_group(info, port)
+    try:
+        trainer = Trainer(settings, info)
+        checkpoints = Checkpoints(
+            settings.run.run_dir / "checkpoints", settings.keep_checkpoints, is_writer=info.is_main
+        )
+        if not info.is_main:
+            follower = LearnerLoop(settings, trainer, checkpoints, rank=info)
+            follower.resume()
+            follower.follow()
+            return
+        client = redis.Redis.from_url(settings.run.redis_url)
+        queue = TrajectoryQueue(client, settings.run.run_id, consumer=f"learner-{rank}")
+        loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, rank=info, on_step=on_step)
+        resumed = loop.resume()
+        loop.metrics = MetricsLog(settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed)
+        asyncio.run(serve(settings, loop))
+    finally:
+        leave_group()
+
+
+async def serve(settings: LearnerSettings, loop: LearnerLoop) -> None:
+    """Serves LearnerService while the loop trains in a worker thread; returns when the loop ends."""
+    host = ServiceHost(
+        name="learner",
+        listen=settings.listen,
+        registrations=[
+            Registration(learner_pb2_grpc.add_LearnerServiceServicer_to_server, LearnerServicer(loop), SERVICE_NAME)
+        ],
+        metrics_port=settings.metrics_port,
+    )
+    await host.start()
+    events = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        events.add_signal_handler(sig, lambda: loop.request_stop(save_checkpoint=True))
+    try:
+        await asyncio.to_thread(loop.run)
+    finally:
+        await host.stop()

@@ -1,0 +1,96 @@
+"""Batch building: alignment on the next-token axis, drops by reason, dense ids, per-episode stats."""
+
+from __future__ import annotations
+
+import torch
+
+from molt.learner.batch import assemble, batch_stats, build_group, padded
+from molt.learner.synthetic import UNIFORM_LOGPROB, named_group, trajectory
+from molt.learner.synthetic import group_of as make_group_of
+
+VOCAB = 320
+
+
+def build(group, *, version: int = 0, staleness: int = 1, consumed=(), needs_groups: bool = True):
+    return build_group(
+        group,
+        vocab_size=VOCAB,
+        current_version=version,
+        max_staleness=staleness,
+        consumed=set(consumed),
+        needs_groups=needs_groups,
+    )
+
+
+def test_sample_is_aligned_on_the_next_token_axis() -> None:
+    """Prompt [1, 2, 3], response [4, 5, 6] with mask [1, 0, 1]: position k predicts token k + 1, so the
+    next-token mask is [F, F, T, F, T] (tokens 2, 3 are prompt; 4 sampled; 5 tool; 6 sampled)."""
+    t = trajectory("a", [1, 2, 3], [4, 5, 6], mask=[True, False, True], versions=[2, 2, 3], reward=1.5)
+    outcome = build(make_group_of("g", [t, trajectory("b", [1], [7], versions=[3])]), version=3)
+    sample = outcome.samples[0]
+    assert sample.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert sample.loss_mask.tolist() == [False, False, True, False, True]
+    expected = torch.tensor([0.0, 0.0, UNIFORM_LOGPROB, 0.0, UNIFORM_LOGPROB], dtype=torch.float32)
+    assert torch.equal(sample.rollout_logprobs, expected)
+    assert sample.policy_versions.tolist() == [2, 2, 2, 2, 3]
+    assert sample.reward == 1.5 and sample.loss_tokens == 2
+    assert not outcome.dropped
+
+
+def test_a_token_outside_the_vocabulary_drops_the_whole_group() -> None:
+    for bad in (VOCAB, -1):
+        group = make_group_of("g", [trajectory("a", [1, 2], [3]), trajectory("b", [1, 2], [bad])])
+        outcome = build(group)
+        assert outcome.samples == []
+        assert outcome.dropped == {"invalid_token": 2}
+    outcome = build(make_group_of("g", [trajectory("a", [VOCAB - 1], [0]), trajectory("b", [1], [2])]))
+    assert len(outcome.samples) == 2
+
+
+def test_staleness_counts_the_oldest_loss_token_only() -> None:
+    """Learner at version 6, max_staleness 2: a loss token of version 3 is 3 behind (stale); a tool token
+    of version 1 does not count, so a sample whose loss tokens are 4 and 5 is kept."""
+    stale = trajectory("stale", [1], [2, 3], versions=[3, 5])
+    kept = trajectory("kept", [1], [2, 3, 4], mask=[False, True, True], versions=[1, 4, 5])
+    outcome = build(make_group_of("g", [stale, kept]), version=6, staleness=2)
+    assert [s.trajectory_id for s in outcome.samples] == ["kept"]
+    assert outcome.dropped == {"stale": 1}
+
+
+def test_consumed_ids_and_empty_samples_are_dropped() -> None:
+    group = make_group_of(
+        "g", [trajectory("seen", [1], [2]), trajectory("new", [1], [2]), trajectory("tool-only", [1], [2], mask=[0])]
+    )
+    outcome = build(group, consumed={"seen"})
+    assert [s.trajectory_id for s in outcome.samples] == ["new"]
+    assert outcome.dropped == {"duplicate": 1, "no_loss_tokens": 1}
+
+
+def test_group_of_one_is_dropped_only_for_group_estimators() -> None:
+    group = make_group_of("g", [trajectory("a", [1], [2])])
+    assert build(group).dropped == {"group_of_one": 1}
+    assert len(build(group, needs_groups=False).samples) == 1
+
+
+def test_assemble_gives_dense_ids_and_segments_share_a_rollout() -> None:
+    """Two groups; in the second, two segments of one episode share rollout "ep": 3 episodes in g2 -> 2."""
+    g1 = build(named_group("g1", [1.0, 0.0])).samples
+    segments = [
+        trajectory("s0", [1], [2], rollout_id="ep", reward=2.0),
+        trajectory("s1", [1], [2, 3], rollout_id="ep", reward=2.0),
+        trajectory("s2", [1], [2], reward=4.0),
+    ]
+    g2 = build(make_group_of("g2", segments)).samples
+    batch = assemble(g1 + g2)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 1]
+    assert batch.rollout_ids.tolist() == [0, 1, 2, 2, 3]
+    stats = batch_stats(batch, current_version=0)
+    # Episode rewards 1, 0, 2, 4 (the two-segment episode once): mean 7/4.
+    assert stats["reward/mean"] == 1.75
+    assert stats["episodes"] == 4 and stats["samples"] == 5 and stats["groups"] == 2
+
+
+def test_padded_right_pads_with_zeros() -> None:
+    grid = padded([torch.tensor([1, 2]), torch.tensor([3])])
+    assert grid.tolist() == [[1, 2], [3, 0]]
+    assert padded([torch.tensor([True])], 3).tolist() == [[True, False, False]]

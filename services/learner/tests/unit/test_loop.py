@@ -1,0 +1,149 @@
+"""The learner loop against a real Redis queue: steps, acknowledgement only after a checkpoint,
+re-delivery after a restart, control requests, idle warning, metrics sinks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client import REGISTRY
+from torch import nn
+
+from molt.core.queue import TrajectoryQueue
+from molt.learner.checkpoint import Checkpoints
+from molt.learner.config import LearnerSettings
+from molt.learner.loop import LearnerLoop
+from molt.learner.metrics import MetricsLog, read_history
+from molt.learner.synthetic import named_group
+from molt.learner.trainer import Trainer
+
+SettingsFactory = Callable[..., LearnerSettings]
+REWARDS = [1.0, 0.0, 0.5, 0.0]
+pytestmark = pytest.mark.timeout(60)  # a loop waiting for data it will never get must fail, not hang
+
+
+def make_loop(settings: LearnerSettings, client: redis.Redis, on_step=None) -> LearnerLoop:
+    run_dir = settings.run.run_dir
+    trainer = Trainer(settings)
+    checkpoints = Checkpoints(run_dir / "checkpoints", settings.keep_checkpoints)
+    queue = TrajectoryQueue(client, settings.run.run_id, consumer="learner-0")
+    loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, on_step=on_step)
+    resumed = loop.resume()
+    loop.metrics = MetricsLog(run_dir, plot_every=2, resumed_step=resumed)
+    return loop
+
+
+def test_entries_are_acknowledged_only_once_their_step_is_checkpointed(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """groups_per_step 2, checkpoint_every 2, 3 steps: at the hook of step 1 two entries are pending,
+    at step 2 four (its checkpoint comes after the hook), at step 3 two again; the stop checkpoints
+    step 3 and the queue ends empty."""
+    settings = learner_settings(checkpoint_every=2, max_steps=3, poll_s=0.1, max_staleness=3)
+    producer = TrajectoryQueue(redis_client, "molt")
+    producer.put_many([named_group(f"g{i}", REWARDS) for i in range(6)])
+    seen: list[tuple[int, int]] = []
+
+    def on_step(step: int, model: nn.Module) -> None:
+        assert isinstance(model, nn.Module)
+        seen.append((step, producer.stats().pending))
+
+    loop = make_loop(settings, redis_client, on_step)
+    assert loop.run() == 3
+    assert seen == [(1, 2), (2, 4), (3, 2)]
+    stats = producer.stats()
+    assert (stats.depth, stats.pending) == (0, 0)
+    assert len(loop.state.consumed) == 24 and set(loop.state.consumed.values()) == {1, 2, 3}
+
+    run_dir = settings.run.run_dir
+    assert [p.name for p in loop.checkpoints.complete()] == ["step-00000002", "step-00000003"]
+    history = read_history(run_dir / "metrics.jsonl")
+    assert sorted(history) == [1, 2, 3] and all(r["samples"] == 8 for r in history.values())
+    assert (run_dir / "reward.png").stat().st_size > 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert REGISTRY.get_sample_value("molt_learner_step") == 3
+    assert REGISTRY.get_sample_value("molt_learner_reward_mean") == history[3]["reward/mean"]
+
+
+def test_redelivered_trajectories_are_not_trained_twice(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """A producer that writes around the queue's dedupe re-sends a trained group: the resumed learner
+    drops its 4 trajectories as duplicates, trains the two new groups, and acknowledges all three."""
+    settings = learner_settings(checkpoint_every=1, max_steps=1, poll_s=0.1)
+    producer = TrajectoryQueue(redis_client, "molt")
+    first = [named_group("a", REWARDS), named_group("b", REWARDS)]
+    producer.put_many(first)
+    assert make_loop(settings, redis_client).run() == 1
+
+    redis_client.xadd(producer.keys.stream, {"group": first[0].SerializeToString()})
+    producer.put_many([named_group("c", REWARDS), named_group("d", REWARDS)])
+    loop = make_loop(settings.model_copy(update={"max_steps": 2}), redis_client)
+    assert loop.state.step == 1
+    assert loop.run() == 2
+    assert loop.state.dropped == {"duplicate": 4}
+    assert sorted({tid.split("-")[0] for tid in loop.state.consumed}) == ["a", "b", "c", "d"]
+    assert {step for tid, step in loop.state.consumed.items() if tid.startswith(("c", "d"))} == {2}
+    assert producer.stats().depth == 0
+
+
+def test_control_requests_and_the_idle_warning(
+    learner_settings: SettingsFactory, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle learner warns; SaveCheckpoint is deduplicated by request id; StopLearner ends run()."""
+    settings = learner_settings(poll_s=0.05, idle_warning_s=0.2)
+    loop = make_loop(settings, redis_client)
+    caplog.set_level(logging.WARNING, logger="molt.learner.loop")
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        first = loop.request_checkpoint("req-1")
+        assert loop.request_checkpoint("req-1") is first
+        info = first.result(timeout=30)
+        assert info.step == 0 and info.path.name == "step-00000000"
+        assert loop.request_checkpoint("req-2").result(timeout=30) == info  # no step since: the same one
+        threading.Event().wait(0.5)
+    finally:
+        stopped = loop.request_stop(save_checkpoint=True)
+        thread.join(timeout=30)
+    assert stopped.result(timeout=1) == 0
+    assert any("no trajectories for" in r.getMessage() for r in caplog.records)
+    status = loop.status()
+    assert (status.step, status.last_checkpoint_step, status.consumed_count) == (0, 0, 0)
+    assert json.loads((settings.run.run_dir / "checkpoints" / "step-00000000" / "state.json").read_text())["step"] == 0
+
+
+def test_resume_without_checkpoints_starts_at_zero(learner_settings: SettingsFactory, tmp_path: Path) -> None:
+    settings = learner_settings()
+    loop = LearnerLoop(settings, Trainer(settings), Checkpoints(tmp_path / "empty", 1))
+    assert loop.resume() == 0 and loop.last_checkpoint_step == -1
+
+
+def test_groups_that_went_stale_are_dropped_and_acknowledged(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """Six groups sampled at version 0, max_staleness 1: steps 1 and 2 train four of them; at version 2
+    the last two are 2 versions behind, so their 8 trajectories are dropped as stale, and the stop's
+    checkpoint acknowledges them with the rest."""
+    settings = learner_settings(checkpoint_every=5, poll_s=0.05, max_staleness=1)
+    producer = TrajectoryQueue(redis_client, "molt")
+    producer.put_many([named_group(f"g{i}", REWARDS) for i in range(6)])
+    loop = make_loop(settings, redis_client)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        for _ in range(600):
+            if loop.status().dropped.get("stale") == 8:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        loop.request_stop(save_checkpoint=True).result(timeout=30)
+        thread.join(timeout=30)
+    assert loop.status().dropped == {"stale": 8}
+    assert loop.state.step == 2 and loop.last_checkpoint_step == 2
+    assert producer.stats().depth == 0
