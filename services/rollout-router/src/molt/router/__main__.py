@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
 
-    ray.init(address=settings.ray_address, namespace=f"molt-{settings.run.run_id}", log_to_driver=False)
+    ray.init(address=settings.ray_address, namespace=f"molt-{settings.run.run_id}", log_to_driver=True)
     try:
         asyncio.run(serve(settings))
     finally:

@@ -1,0 +1,278 @@
+"""Local child processes that molt starts and must end: services, an embedded Redis, helpers.
+
+``ChildProcess`` starts a command in its own session (so a terminal's Ctrl-C
+reaches only the parent, which stops its children in order) with stdout and
+stderr appended to a log file. ``stop`` sends SIGTERM to the leader (its
+graceful shutdown, which may coordinate its own children), waits, then SIGKILLs
+the leader and every process still in its session, so nothing outlives it.
+``ServiceProcess`` adds the wait for a gRPC health check; ``RedisServer`` runs
+``redis-server`` on a free loopback port. The test fixtures (``molt.core.testing``)
+and the launcher (``molt up``) both use these. Linux only (reads ``/proc``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (the caller retries if it is taken before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None if gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a pid apart from a reused one), or None."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
+def is_running(pid: int, ticks: int | None = None) -> bool:
+    """Whether ``pid`` is a live (not zombie) process, and the same one that started at ``ticks`` if given."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    return ticks is None or int(fields[19]) == ticks
+
+
+def session_members(session_id: int) -> list[int]:
+    """Live pids whose session id is ``session_id`` (a child started with ``start_new_session``
+    has session id = its pid, and its descendants keep it unless they call setsid themselves)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is not None and fields[0] not in ("Z", "X") and int(fields[3]) == session_id:
+            members.append(int(entry.name))
+    return members
+
+
+def kill_session(session_id: int, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILLs every live process of the session and waits (up to ``timeout_s``) until none is
+    left running (SIGKILL is delivered asynchronously); returns the pids signalled."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while members := session_members(session_id):
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                if pid not in killed:
+                    killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return killed
+
+
+class ChildProcess:
+    """A command run in its own session, its output appended to ``log_path``."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Starts the command (session id = its pid) and returns the handle."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        return self.process
+
+    def stop(self, timeout_s: float = 60.0, sig: int = signal.SIGTERM) -> int | None:
+        """``sig`` to the leader, SIGKILL after ``timeout_s``; then SIGKILL what is left of its session.
+        Returns the leader's exit code (None if it was not started)."""
+        if self.process is None:
+            return None
+        process, self.process = self.process, None
+        if process.poll() is None:
+            process.send_signal(sig)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        kill_session(process.pid)
+        return process.returncode
+
+
+class ServiceProcess(ChildProcess):
+    """A service started as a child process, ready once its gRPC health check says SERVING."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        address: str,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        service: str = "",
+    ) -> None:
+        super().__init__(args, log_path, env)
+        self.address = address
+        self.service = service  # the health-checked service name: proves the right server answers
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Starts the process and waits until it serves; stops it and raises if it does not."""
+        process = self.spawn()
+        try:
+            wait_serving(self.address, self.service, timeout_s, process)
+        except RuntimeError as exc:
+            self.stop(timeout_s=10)
+            raise RuntimeError(
+                f"{self.args[:3]}: {exc}; {self.log_path} ends with:\n{log_tail(self.log_path)}"
+            ) from exc
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file (so a failure report shows the cause, e.g. on CI)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_serving(address: str, service: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Polls ``address``'s health check until ``service`` is SERVING; raises ``RuntimeError`` when
+    ``process`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"exited with {process.returncode} before serving")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"not serving at {address} after {timeout_s} s")
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+    """One health check: 'SERVING', 'NOT_SERVING', ... or 'UNREACHABLE'."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+class RedisServer:
+    """A ``redis-server`` child process on 127.0.0.1 with its data in ``data_dir``."""
+
+    def __init__(self, data_dir: Path, *, appendonly: bool = False) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server; .ci/run does this)")
+        self.binary = binary
+        self.data_dir = data_dir
+        self.appendonly = appendonly
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30)
+
+    def start(self, port: int | None = None) -> None:
+        """Starts the server (on ``port`` if given, else a free one) and waits until it answers PING."""
+        for _ in range(5):
+            self.port = port or free_port()
+            args = [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.data_dir / "redis.log"),
+            ]
+            if self.appendonly:
+                args += ["--appendonly", "yes", "--appendfsync", "always"]
+            self.process = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+            if self._wait_ready():
+                return
+            self.stop()
+            if port is not None:
+                break
+        raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                return False
+            try:
+                if self.client().ping():
+                    return True
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        return False
+
+    def stop(self) -> None:
+        """Ends the process this object started (SIGTERM, then SIGKILL after 10 s)."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def kill(self) -> None:
+        """Ends the process abruptly (SIGKILL), as a crash would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
