@@ -161,6 +161,8 @@ class RefitWeightsRequest(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _builtins.int
     PAUSE_MODE_FIELD_NUMBER: _builtins.int
     RUN_PROBE_FIELD_NUMBER: _builtins.int
+    PROBE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PROBE_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Learner-chosen id; a retried request with the same id does not refit twice."""
     learner_step: _builtins.int
@@ -175,6 +177,16 @@ class RefitWeightsRequest(_message.Message):
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Every tensor, in broadcast order; a tied lm_head appears once."""
 
+    @_builtins.property
+    def probe_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The probe: token ids (>= 2, each < vocab size) the engines score teacher-forced."""
+
+    @_builtins.property
+    def probe_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The learner's logprobs of probe_token_ids[1:] given the tokens before
+        each (temperature 1, natural log); one entry per probe token after the first.
+        """
+
     def __init__(
         self,
         *,
@@ -184,10 +196,12 @@ class RefitWeightsRequest(_message.Message):
         bucket_bytes: _builtins.int = ...,
         pause_mode: _rollout_pb2.PauseMode.ValueType = ...,
         run_probe: _builtins.bool = ...,
+        probe_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        probe_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "learner_step", b"learner_step", "pause_mode", b"pause_mode", "request_id", b"request_id", "run_probe", b"run_probe", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "learner_step", b"learner_step", "pause_mode", b"pause_mode", "probe_logprobs", b"probe_logprobs", "probe_token_ids", b"probe_token_ids", "request_id", b"request_id", "run_probe", b"run_probe", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -206,6 +220,8 @@ class RefitReport(_message.Message):
     COVERAGE_OK_FIELD_NUMBER: _builtins.int
     CHECKSUMS_OK_FIELD_NUMBER: _builtins.int
     PROBE_MAX_ABS_LOGPROB_DIFF_FIELD_NUMBER: _builtins.int
+    TRANSFER_DURATION_FIELD_NUMBER: _builtins.int
+    LOAD_DURATION_FIELD_NUMBER: _builtins.int
     byte_count: _builtins.int
     """Bytes broadcast."""
     tensor_count: _builtins.int
@@ -222,6 +238,14 @@ class RefitReport(_message.Message):
     def duration(self) -> _duration_pb2.Duration:
         """Wall time from pause to resume."""
 
+    @_builtins.property
+    def transfer_duration(self) -> _duration_pb2.Duration:
+        """Time spent broadcasting and receiving the buckets (slowest engine worker)."""
+
+    @_builtins.property
+    def load_duration(self) -> _duration_pb2.Duration:
+        """Time spent loading the received tensors into the model (slowest worker)."""
+
     def __init__(
         self,
         *,
@@ -232,10 +256,12 @@ class RefitReport(_message.Message):
         coverage_ok: _builtins.bool = ...,
         checksums_ok: _builtins.bool = ...,
         probe_max_abs_logprob_diff: _builtins.float | None = ...,
+        transfer_duration: _duration_pb2.Duration | None = ...,
+        load_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_probe_max_abs_logprob_diff", b"_probe_max_abs_logprob_diff", "duration", b"duration", "probe_max_abs_logprob_diff", b"probe_max_abs_logprob_diff"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_probe_max_abs_logprob_diff", b"_probe_max_abs_logprob_diff", "duration", b"duration", "load_duration", b"load_duration", "probe_max_abs_logprob_diff", b"probe_max_abs_logprob_diff", "transfer_duration", b"transfer_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_probe_max_abs_logprob_diff", b"_probe_max_abs_logprob_diff", "bucket_count", b"bucket_count", "byte_count", b"byte_count", "checksums_ok", b"checksums_ok", "coverage_ok", b"coverage_ok", "duration", b"duration", "probe_max_abs_logprob_diff", b"probe_max_abs_logprob_diff", "tensor_count", b"tensor_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_probe_max_abs_logprob_diff", b"_probe_max_abs_logprob_diff", "bucket_count", b"bucket_count", "byte_count", b"byte_count", "checksums_ok", b"checksums_ok", "coverage_ok", b"coverage_ok", "duration", b"duration", "load_duration", b"load_duration", "probe_max_abs_logprob_diff", b"probe_max_abs_logprob_diff", "tensor_count", b"tensor_count", "transfer_duration", b"transfer_duration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__probe_max_abs_logprob_diff: _TypeAlias = _typing.Literal["probe_max_abs_logprob_diff"]  # noqa: Y015
     _WhichOneofArgType__probe_max_abs_logprob_diff: _TypeAlias = _typing.Literal["_probe_max_abs_logprob_diff", b"_probe_max_abs_logprob_diff"]  # noqa: Y015

@@ -105,6 +105,16 @@ class LearnerSettings(ServiceSettings):
     listen: str = Field("127.0.0.1:50053", description="gRPC listen address host:port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     broadcaster_address: str = Field("127.0.0.1:50054", description="WeightService address host:port.")
+    refit_every: int = Field(
+        0,
+        ge=0,
+        description="Refit the engines through the weight-broadcaster every N steps; 0 = never (no broadcaster).",
+    )
+    refit_bucket_bytes: int = Field(
+        512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes."
+    )
+    refit_probe_tokens: int = Field(32, ge=0, description="Length of the teacher-forced refit probe; 0 = no probe.")
+    refit_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one refit, seconds.")
     model_path: Path = Field(description="Local directory of the initial policy (save_pretrained layout).")
     backend: Literal["auto", "torch", "automodel"] = Field(
         "auto", description="auto: AutoModel where CUDA is present, else transformers + torch FSDP2."

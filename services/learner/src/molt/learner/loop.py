@@ -41,6 +41,7 @@ from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import GROUP_ESTIMATORS, LearnerSettings
 from molt.learner.metrics import MetricsLog
 from molt.learner.ranks import SINGLE, RankInfo
+from molt.learner.refit import WeightPublisher, gather_for_refit, probe_token_ids
 from molt.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class LearnerLoop:
         self.metrics = metrics
         self.rank = rank
         self.on_step = on_step
+
         self.state = RunState()
         self.ready: list[ReadyGroup] = []
         self.settled: list[str] = []  # entry ids whose use is decided, acknowledged at the next checkpoint
@@ -264,6 +266,8 @@ class LearnerLoop:
             dropped = {f"dropped/{reason}": float(n) for reason, n in self.state.dropped.items()}
             self.metrics.record(step, {**step_metrics, **dropped})
         if self.on_step is not None:
+            if isinstance(self.on_step, WeightPublisher) and self.on_step.wants(step):
+                self._broadcast(("refit", None))  # the publisher's gather is a collective of every rank
             self.on_step(step, self.trainer.model)
         if step % self.settings.checkpoint_every == 0:
             self._checkpoint()
@@ -334,6 +338,9 @@ class LearnerLoop:
                 self.trainer.train_step(payload)
             elif command == "checkpoint":
                 self.checkpoints.save(self.trainer, payload)
+            elif command == "refit":
+                vocab = self.trainer.model.config.vocab_size
+                gather_for_refit(self.trainer.model, probe_token_ids(vocab, self.settings.refit_probe_tokens))
             else:
                 return
 

@@ -27,6 +27,7 @@ from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop, OnStep
 from molt.learner.metrics import MetricsLog
 from molt.learner.ranks import RankInfo, free_port, init_group, leave_group
+from molt.learner.refit import WeightPublisher
 from molt.learner.server import LearnerServicer
 from molt.learner.trainer import Trainer
 from molt.v1 import learner_pb2, learner_pb2_grpc
@@ -79,6 +80,9 @@ def run_rank(rank: int, world: int, settings: LearnerSettings, port: int, on_ste
             return
         client = redis.Redis.from_url(settings.run.redis_url)
         queue = TrajectoryQueue(client, settings.run.run_id, consumer=f"learner-{rank}")
+        if on_step is None and settings.refit_every > 0:
+            on_step = WeightPublisher(settings, trainer.model.config.vocab_size)
+            on_step.register()
         loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, rank=info, on_step=on_step)
         resumed = loop.resume()
         loop.metrics = MetricsLog(settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed)

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from uuid import uuid4
 
 from molt.router.sampling import Sampling
 
@@ -215,6 +216,28 @@ class EngineActor:
     async def resume(self, policy_version: int) -> None:
         self.policy_version = policy_version
         await self.llm.resume_generation()
+
+    async def probe(self, token_ids: list[int], policy_version: int) -> list[float]:
+        """Teacher-forced logprobs of ``token_ids[1:]`` under the loaded weights (temperature 1, no cut).
+
+        Runs between a refit's load and the router's resume: the version is set
+        first, so any suspended request that moves during the probe is stamped
+        with the weights that sampled it; the engine is paused again afterwards.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.policy_version = policy_version
+        await self.llm.resume_generation()
+        try:
+            params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+            final = None
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"probe-{uuid4()}"):
+                final = output
+        finally:
+            await self.llm.pause_generation(mode="keep", clear_cache=True)
+        assert final is not None and final.prompt_logprobs is not None
+        return [entry[token].logprob for token, entry in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """Calls ``method`` of the worker extension in every engine worker (the weight-broadcaster's door)."""

@@ -1,27 +1,160 @@
-"""Code vLLM injects into every engine worker (``worker_extension_cls``).
+"""Code vLLM injects into every engine worker (``worker_extension_cls``): the receiving end of a refit.
 
-Reached with ``collective_rpc``; it runs beside the model in the worker
-process. The weight-broadcaster builds weight receiving on it (issue #6);
-for now it reports what the worker holds, which refit validation compares.
+Reached with ``collective_rpc`` (the engine actor forwards the broadcaster's
+calls); it runs beside the model in the worker process. A refit is:
+
+1. ``join_weight_group``: the worker becomes rank ``first_rank + worker rank``
+   of the weight group (a standalone gloo/NCCL group; see molt.core.weightsync).
+2. ``receive_weights``: every bucket of the manifest is received and **staged**
+   (nothing touches the model yet); then the manifest is checked against what
+   the engine serves (coverage: exactly the checkpoint's tensor names, shapes
+   equal, each once) and every tensor's checksum against the learner's. Only
+   when both hold are the tensors loaded, through vLLM's layerwise reload
+   (``model.load_weights`` maps checkpoint names onto fused parameters, then each
+   layer's post-load processing runs again: on CPU that re-packs the GEMM
+   weights). A refused refit leaves the old weights fully in place.
+
+Tied embeddings: the checkpoint has no ``lm_head.weight``; after reload the
+head's kernel is rebuilt from the new embedding (on CPU the head holds its own
+packed copy, which would otherwise stay at the old weights).
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
+import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from molt.core.weightsync import TensorMeta, WeightGroup, check_manifest, manifest_from_json, tensor_checksum
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a save_pretrained directory's safetensors files (headers only)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                shapes[name] = tuple(entry["shape"])
+    return shapes
+
+
+def coverage_problems(metas: list[TensorMeta], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Why a manifest does not cover the served model exactly (empty when it does)."""
+    problems: list[str] = []
+    names = {m.name for m in metas}
+    missing = sorted(set(expected) - names)
+    unknown = sorted(names - set(expected))
+    if missing:
+        problems.append(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+    if unknown:
+        problems.append(f"{len(unknown)} tensors the engine does not serve, e.g. {unknown[:3]}")
+    for meta in metas:
+        shape = expected.get(meta.name)
+        if shape is not None and tuple(meta.shape) != shape:
+            problems.append(f"{meta.name}: shape {tuple(meta.shape)} != served {shape}")
+    return problems
 
 
 class WeightReceiver:
     """Mixed into vLLM's worker class; ``self.model_runner.model`` is the served model."""
 
     model_runner: Any
+    rank: int
+    device: Any
 
-    def parameter_checksums(self) -> dict[str, str]:
-        """Per parameter: blake2b of its bytes as the worker holds them (dtype and layout included)."""
-        sums: dict[str, str] = {}
-        for name, tensor in self.model_runner.model.state_dict().items():
-            data = tensor.detach().contiguous().cpu().view(-1).view(dtype=torch.uint8)
-            sums[name] = hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
-        return sums
+    def weight_worker_rank(self) -> int:
+        """This worker's rank inside its engine (0 .. tensor_parallel_size - 1)."""
+        return int(getattr(self, "rank", 0))
+
+    def join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, backend: str, generation: int, timeout_s: float
+    ) -> int:
+        """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined."""
+        old = getattr(self, "_molt_group", None)
+        if old is not None:
+            old.close()
+        device = torch.device("cpu") if backend == "gloo" else torch.device(self.device)
+        rank = first_rank + int(getattr(self, "rank", 0))
+        self._molt_group = WeightGroup(
+            host, port, rank, world_size, backend=backend, generation=generation, device=device, timeout_s=timeout_s
+        )
+        return rank
+
+    def receive_weights(self, manifest_json: str, bucket_bytes: int) -> dict[str, Any]:
+        """Receives, validates and (when valid) loads one refit; returns a report (see module docstring)."""
+        group: WeightGroup | None = getattr(self, "_molt_group", None)
+        if group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        metas = manifest_from_json(manifest_json)
+        check_manifest(metas)
+        started = time.perf_counter()
+        staged: dict[str, torch.Tensor] = {}
+        bad_checksums: list[str] = []
+        for meta, tensor in group.receive(metas, bucket_bytes):
+            staged[meta.name] = tensor
+            if tensor_checksum(tensor) != meta.checksum:
+                bad_checksums.append(meta.name)
+        received_s = time.perf_counter() - started
+        model_dir = Path(self.model_runner.model_config.model)
+        coverage = coverage_problems(metas, checkpoint_tensors(model_dir))
+        report: dict[str, Any] = {
+            "rank": group.rank,
+            "byte_count": sum(m.nbytes for m in metas),
+            "tensor_count": len(metas),
+            "coverage_ok": not coverage,
+            "checksums_ok": not bad_checksums,
+            "problems": coverage + [f"checksum mismatch: {name}" for name in bad_checksums[:5]],
+            "loaded": False,
+            "receive_s": received_s,
+        }
+        if coverage or bad_checksums:
+            log.error("refit refused, old weights kept", extra={"problems": report["problems"]})
+            return report
+        started = time.perf_counter()
+        incomplete = self._load(staged)
+        report["load_s"] = time.perf_counter() - started
+        report["loaded"] = True
+        if incomplete:
+            report["coverage_ok"] = False
+            report["problems"].append(f"layers not fully loaded: {incomplete[:5]}")
+        return report
+
+    def _load(self, staged: dict[str, torch.Tensor]) -> list[str]:
+        """Loads staged tensors through vLLM's layerwise reload; returns layers that did not get every element."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            get_layerwise_info,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
+        initialize_layerwise_reload(model)
+        with torch.no_grad():
+            model.load_weights(iter(staged.items()))
+        incomplete = []
+        for name, layer in model.named_modules():
+            info = get_layerwise_info(layer)
+            if tied and layer is head:
+                continue
+            has_params = any(True for _ in layer.parameters(recurse=False))
+            if has_params and info.can_load() and info.load_numel < (info.load_numel_total or 0):
+                incomplete.append(name)
+        finalize_layerwise_reload(model, self.model_runner.model_config)
+        if tied and head is not None and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
+        return incomplete
+
+    def parameter_checksums(self) -> dict[str, int]:
+        """Per parameter: tensor_checksum of its bytes as the worker holds them (packed layouts included)."""
+        return {name: tensor_checksum(t) for name, t in self.model_runner.model.state_dict().items()}

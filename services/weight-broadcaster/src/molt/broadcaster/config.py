@@ -15,9 +15,19 @@ class BroadcasterSettings(ServiceSettings):
     listen: str = Field("127.0.0.1:50054", description="gRPC listen address host:port.")
     metrics_port: int = Field(9104, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     router_address: str = Field("127.0.0.1:50051", description="RolloutService address (pause/resume).")
+    ray_address: str | None = Field(
+        None, description="Ray cluster of the engines (the router's ray_address); unset = 'auto' (a local cluster)."
+    )
+    store_port: int = Field(0, ge=0, le=65535, description="TCPStore port of the weight group; 0 picks a free one.")
+    store_host: str = Field(
+        "127.0.0.1", description="Address the learner and engine workers use to reach the TCPStore (this host)."
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPU.")
     bucket_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes.")
     pause_mode: Literal["drain", "keep"] = Field("keep", description="How the router pauses for a refit.")
     probe: bool = Field(True, description="Run the teacher-forced logprob probe during validation.")
     probe_tolerance: float = Field(1e-3, gt=0, description="Largest allowed |engine - learner| probe logprob.")
+    publish_redis: bool = Field(
+        True, description="Also publish each version to the Redis key molt:<run>:policy_version."
+    )
     refit_timeout_s: float = Field(600.0, gt=0, description="A refit not finished by then fails and is reported.")

