@@ -1,0 +1,183 @@
+"""The placement plan of a recipe (``molt plan``): which node, GPUs and CPUs each process takes.
+
+Rules (what the services actually do):
+
+- The learner's ``data_parallel_size`` ranks are local processes of one node
+  (``torch.multiprocessing``, rendezvous on loopback), so they all go to node 0,
+  where the launcher runs: one GPU each (one CPU each on a CPU run).
+- Each of the router's ``engine_count`` engines is a Ray placement group of
+  ``tensor_parallel_size`` GPU bundles packed on one node (a tensor-parallel
+  group never spans nodes), placed first-fit on the GPUs the learner left; on a
+  CPU run an engine is one CPU bundle (vLLM's worker is a child of its actor).
+- The router, broadcaster and agent-pool processes, Redis and the Ray head run
+  on node 0 and share its CPUs (they reserve none).
+
+The plan is checked against the recipe's declared ``[launcher]`` resources
+(``nodes``, ``gpus_per_node``, ``cpus_per_node``); a plan that does not fit is a
+``PlanError`` saying what was asked for and what is left. ``molt up`` applies
+the node-0 GPU split: the learner and the local Ray head get disjoint
+``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from molt.core.errors import ConfigError
+from molt.launcher.recipe import Recipe
+from molt.learner.config import unsound_settings
+
+
+class PlanError(ConfigError):
+    """The recipe's processes do not fit its declared resources, or its services disagree."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One process (or engine) of a service on one node; ``cpus`` = CPUs it reserves (0 = shares)."""
+
+    service: str
+    process: str
+    node: int
+    gpus: tuple[int, ...] = ()
+    cpus: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where everything of a run goes, on ``nodes`` x (``gpus_per_node`` GPUs, ``cpus_per_node`` CPUs)."""
+
+    nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    placements: tuple[Placement, ...]
+
+    def gpus(self, service: str, node: int) -> tuple[int, ...]:
+        """The GPU indices ``service`` takes on ``node``, sorted."""
+        return tuple(sorted(g for p in self.placements if p.service == service and p.node == node for g in p.gpus))
+
+    def render(self, title: str) -> str:
+        """The plan as a table, one line per process."""
+        lines = [title]
+        for node in range(self.nodes):
+            on_node = [p for p in self.placements if p.node == node]
+            gpus = sum(len(p.gpus) for p in on_node)
+            cpus = sum(p.cpus for p in on_node)
+            lines.append(
+                f"node {node}: GPUs {gpus}/{self.gpus_per_node} used, CPUs {cpus}/{self.cpus_per_node} reserved"
+            )
+            for p in on_node:
+                where = f"GPUs {','.join(map(str, p.gpus))}" if p.gpus else "no GPU"
+                cpus_text = f"{p.cpus} CPU" if p.cpus else "shared CPUs"
+                lines.append(f"  {p.service:<12} {p.process:<16} {where:<18} {cpus_text}")
+        return "\n".join(lines)
+
+
+def make_plan(recipe: Recipe) -> Plan:
+    """Places the learner's ranks, the router's engines and the CPU services; raises ``PlanError``."""
+    launcher = recipe.launcher
+    nodes, gpus_per_node, cpus_per_node = launcher.nodes, launcher.gpus_per_node, launcher.cpus_per_node
+    on_gpu = gpus_per_node > 0
+    free_gpus = {n: list(range(gpus_per_node)) for n in range(nodes)}
+    free_cpus = dict.fromkeys(range(nodes), cpus_per_node)
+    placements: list[Placement] = []
+
+    ranks = recipe.learner.data_parallel_size
+    need, have, unit = (ranks, gpus_per_node, "GPUs") if on_gpu else (ranks, cpus_per_node, "CPUs")
+    if need > have:
+        raise PlanError(
+            f"learner: data_parallel_size = {ranks} ranks need {need} {unit} on one node (its ranks are local "
+            f"processes of node 0), but [launcher] declares {have} {unit} per node"
+        )
+    for rank in range(ranks):
+        gpus = (free_gpus[0].pop(0),) if on_gpu else ()
+        placements.append(Placement("learner", f"rank {rank}", 0, gpus, 1))
+        free_cpus[0] -= 1
+
+    engine = recipe.router.engine
+    tp = engine.tensor_parallel_size
+    if on_gpu and tp > gpus_per_node:
+        raise PlanError(
+            f"router: tensor_parallel_size = {tp} GPUs per engine, but a node has {gpus_per_node}; "
+            f"an engine's tensor-parallel workers must share a node"
+        )
+    for index in range(engine.engine_count):
+        fits = [n for n in range(nodes) if free_cpus[n] >= 1 and (not on_gpu or len(free_gpus[n]) >= tp)]
+        node = fits[0] if fits else None
+        if node is None:
+            left = {n: len(free_gpus[n]) for n in range(nodes)} if on_gpu else free_cpus
+            asked = f"{engine.engine_count} engines x {tp} GPUs" if on_gpu else f"{engine.engine_count} engines x 1 CPU"
+            raise PlanError(
+                f"router: engine {index} does not fit: the recipe asks for {asked} beside {ranks} learner "
+                f"rank(s) on {nodes} node(s) x {gpus_per_node} GPUs / {cpus_per_node} CPUs; "
+                f"free {'GPUs' if on_gpu else 'CPUs'} per node after placing earlier processes: {left}"
+            )
+        gpus = tuple(free_gpus[node].pop(0) for _ in range(tp)) if on_gpu else ()
+        placements.append(Placement("router", f"engine {index} (tp {tp})", node, gpus, 1))
+        free_cpus[node] -= 1
+
+    if launcher.sft_warmup:
+        # Runs to completion before RL starts, on rank 0's device: it reserves nothing extra.
+        placements.insert(0, Placement("learner", "sft (before RL)", 0, placements[0].gpus, 0))
+    services = ["router", "broadcaster", "agent_pool"]
+    if launcher.ray_address is None:
+        services.insert(0, "ray head")
+    placements.extend(Placement(name, "process", 0) for name in services)
+    placements.append(Placement("redis", "embedded" if embedded_redis(recipe) else "external", 0))
+    return Plan(nodes, gpus_per_node, cpus_per_node, tuple(placements))
+
+
+def embedded_redis(recipe: Recipe) -> bool:
+    """Whether ``molt up`` starts its own redis-server: asked for, or no ``[run] redis_url`` given."""
+    return recipe.launcher.embedded_redis or "redis_url" not in recipe.tables.get("run", {})
+
+
+def check_recipe(recipe: Recipe) -> list[str]:
+    """What makes the recipe's services disagree with each other or the launcher (empty = consistent).
+
+    The learner mirrors values that the router and agent-pool own (it cannot ask them at start-up);
+    a mismatch trains silently wrong, so it is refused here rather than discovered in the curves.
+    """
+    learner, pool, router, broadcaster = recipe.learner, recipe.agent_pool, recipe.router, recipe.broadcaster
+    mirrors = [
+        ("learner.group_size", learner.group_size, "agent_pool.group_size", pool.group_size),
+        ("learner.groups_per_step", learner.groups_per_step, "agent_pool.groups_per_step", pool.groups_per_step),
+        ("learner.max_staleness", learner.max_staleness, "agent_pool.max_staleness", pool.max_staleness),
+        (
+            "learner.rollout.temperature",
+            learner.rollout.temperature,
+            "router.sampling.temperature",
+            router.sampling.temperature,
+        ),
+        ("learner.rollout.top_p", learner.rollout.top_p, "router.sampling.top_p", router.sampling.top_p),
+        ("learner.rollout.top_k", learner.rollout.top_k, "router.sampling.top_k", router.sampling.top_k),
+        (
+            "learner.rollout.partial_rollout",
+            learner.rollout.partial_rollout,
+            "(broadcaster.pause_mode == 'keep')",
+            broadcaster.pause_mode == "keep",
+        ),
+    ]
+    problems = [f"{a} = {va!r} but {b} = {vb!r}" for a, va, b, vb in mirrors if va != vb]
+    problems += unsound_settings(learner.model_copy(update={"mode": "rl"}))
+    if recipe.launcher.sft_warmup and learner.sft is None:
+        problems.append("[launcher] sft_warmup = true needs a [learner.sft] table with data_path")
+    if recipe.launcher.nodes > 1 and recipe.launcher.ray_address is None:
+        problems.append(
+            f"[launcher] nodes = {recipe.launcher.nodes}: a local Ray head is one node; set [launcher] "
+            f"ray_address to the running cluster (recipes/slurm/molt.sbatch starts one)"
+        )
+    return problems
+
+
+def plan_or_raise(recipe: Recipe) -> Plan:
+    """``check_recipe`` and ``make_plan`` together: the plan, or one ``PlanError`` listing every problem."""
+    problems = check_recipe(recipe)
+    try:
+        plan = make_plan(recipe)
+    except PlanError as exc:
+        problems.insert(0, exc.message)
+        plan = None
+    if problems or plan is None:
+        raise PlanError(f"recipe {recipe.path} cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
+    return plan

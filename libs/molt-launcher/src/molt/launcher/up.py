@@ -1,0 +1,273 @@
+"""``molt up``: one run of a recipe - Redis, a Ray head, SFT warm-up, the four services - until the
+learner reaches ``max_steps`` or the user stops it.
+
+Start order: embedded redis-server (when no ``[run] redis_url``) -> local Ray head (when no
+``[launcher] ray_address``) -> ``molt-learner --mode sft`` to completion (with ``sft_warmup``) ->
+router (healthy) -> broadcaster -> learner -> agent-pool. Stop order is the reverse, each
+process with SIGTERM, a grace period, then SIGKILL of its whole session (``molt.core.processes``).
+
+Run directory: ``config.toml`` (the effective recipe every service reads), ``settings.json``
+(each service's resolved settings and the plan), ``logs/<service>.log``, ``state.json``, and
+what the services write there: ``metrics.jsonl``, ``eval.jsonl``, ``checkpoints/``,
+``sft-model/``, ``reward.png`` (redrawn here at the end with the eval curve on it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+from molt.core.errors import ConfigError
+from molt.core.processes import ChildProcess, RedisServer, free_port, start_ticks, wait_serving
+from molt.launcher.plan import Plan, embedded_redis, plan_or_raise
+from molt.launcher.progress import gather, plot_rewards, status_line, summary
+from molt.launcher.recipe import SERVICES, Recipe, connect_address, resolve_services, to_toml, wire
+from molt.launcher.state import ProcessRecord, RunState
+from molt.v1 import agent_pool_pb2, learner_pb2, rollout_pb2, weights_pb2
+
+log = logging.getLogger(__name__)
+
+# gRPC service each console script serves; its health check names it, proving the right server answers.
+HEALTH_SERVICES = {
+    "router": rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,
+    "broadcaster": weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name,
+    "learner": learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name,
+    "agent_pool": agent_pool_pb2.DESCRIPTOR.services_by_name["AgentPoolService"].full_name,
+}
+# Children must not route Ray workers through `uv run` (see molt.router.__main__); unbuffered logs;
+# `ray start` turns token auth on and clients only send the token (~/.ray/auth_token) in token mode.
+CHILD_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token"}
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived: stop the run."""
+
+
+def script(name: str) -> str:
+    """A console script of this environment (beside the running interpreter), else from PATH."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if found is None:
+        raise ConfigError(f"{name} is not installed in this environment (uv sync installs it)")
+    return found
+
+
+class Launch:
+    """One ``molt up``: starts the pieces in order, shows progress, stops them in reverse order."""
+
+    def __init__(self, recipe: Recipe, plan: Plan, run_dir: Path, out: TextIO) -> None:
+        self.recipe, self.plan, self.run_dir, self.out = recipe, plan, run_dir, out
+        self.state = RunState.new(run_dir, recipe.path)
+        self.state.run_id, self.state.max_steps = recipe.learner.run.run_id, recipe.learner.max_steps
+        self.children: dict[str, ChildProcess] = {}  # in start order
+        self.redis: RedisServer | None = None
+        self.stopping = False
+        self.config_path = run_dir / "config.toml"
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:
+            self.say(f"molt: {signal.Signals(signum).name} again; still stopping (molt down forces it)")
+            return
+        raise Interrupted(signal.Signals(signum).name)
+
+    def _record(self, name: str, child: ChildProcess, address: str | None = None, service: str = "") -> None:
+        assert child.pid is not None
+        self.state.processes[name] = ProcessRecord(
+            child.pid, start_ticks(child.pid), str(child.log_path), address, service
+        )
+        self.state.save()
+
+    def _env(self, gpus: tuple[int, ...] | None) -> dict[str, str]:
+        if gpus is None or self.plan.gpus_per_node == 0:
+            return dict(CHILD_ENV)
+        return {**CHILD_ENV, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+    def run(self) -> int:
+        """The whole run; returns the exit code (0: the learner finished its steps)."""
+        started = time.monotonic()
+        previous = {sig: signal.signal(sig, self._signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        code = 1
+        try:
+            self._start_infrastructure()
+            self._sft()
+            self._start_services()
+            code = self._monitor(started)
+        except Interrupted as exc:
+            self.say(f"molt: {exc}; stopping the run")
+            code = 130
+        except (RuntimeError, ConfigError) as exc:
+            self.say(f"molt: {exc}")
+            self.state.phase = "failed"
+        finally:
+            self.stopping = True
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        plot = plot_rewards(self.run_dir)
+        self.say(summary(self.run_dir, time.monotonic() - started))
+        if plot is not None:
+            self.say(f"reward curve: {plot}")
+        return code
+
+    def _start_infrastructure(self) -> None:
+        for sub in ("logs", "checkpoints"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.state.save()
+        model = self.recipe.learner.model_path
+        if self.recipe.launcher.build_tiny_model and not (model / "config.json").exists():
+            from molt.core.tiny_model import build
+
+            self.say(f"molt: building the tiny model at {model}")
+            build(model)
+        redis_url = None
+        if embedded_redis(self.recipe):
+            self.redis = RedisServer(self.run_dir / "redis")
+            self.redis.start()
+            redis_url = self.redis.url
+            assert self.redis.process is not None
+            pid = self.redis.process.pid
+            self.state.processes["redis"] = ProcessRecord(pid, start_ticks(pid), str(self.run_dir / "redis"))
+            self.say(f"molt: redis-server at {redis_url}")
+        ray_address = self.recipe.launcher.ray_address or self._start_ray_head()
+        self.state.redis_url = redis_url or self.recipe.learner.run.redis_url
+        self.state.ray_address = ray_address
+        tables = wire(self.recipe, self.run_dir, redis_url, ray_address)
+        self.config_path.write_text(to_toml(tables))
+        resolved = resolve_services(tables)  # what each service will load from config.toml
+        snapshot = {
+            "recipe": str(self.recipe.path),
+            "launcher": self.recipe.launcher.model_dump(mode="json"),
+            "services": {name: s.model_dump(mode="json") for name, s in resolved.items()},
+            "plan": [vars(p) for p in self.plan.placements],
+        }
+        (self.run_dir / "settings.json").write_text(json.dumps(snapshot, indent=2, default=str) + "\n")
+        self.state.save()
+
+    def _start_ray_head(self) -> str:
+        """A local Ray head in its own session (``ray start --block``: ending its session ends Ray,
+        and no other Ray instance on this machine is touched); returns its address."""
+        port = self.recipe.launcher.ray_port or free_port()
+        # Short and private: Ray's unix sockets live under it (path length limit), and a temp dir
+        # of its own keeps `ray_current_cluster` of other Ray instances on this machine apart.
+        temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-"))
+        engine_gpus = self.plan.gpus("router", 0)
+        args = [script("ray"), "start", "--head", "--block", "--port", str(port)]
+        args += ["--num-cpus", str(self.plan.cpus_per_node), "--num-gpus", str(len(engine_gpus))]
+        args += ["--disable-usage-stats", "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
+        for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--metrics-export-port"):
+            args += [flag, str(free_port())]  # their defaults are fixed ports another Ray may hold
+        head = ChildProcess(args, self.run_dir / "logs" / "ray.log", self._env(engine_gpus))
+        self.children["ray"] = head
+        process = head.spawn()
+        self._record("ray", head)
+        self.state.ray_temp_dir = str(temp_dir)
+        deadline = time.monotonic() + 120
+        while not (temp_dir / "ray_current_cluster").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not start; see {head.log_path}")
+            time.sleep(0.5)
+        address = f"127.0.0.1:{port}"
+        self.say(f"molt: Ray head at {address} (logs under {temp_dir})")
+        return address
+
+    def _sft(self) -> None:
+        output = self.recipe.sft_output(self.run_dir)
+        if output is None:
+            return
+        if (output / "config.json").exists():
+            self.say(f"molt: SFT model already at {output}; skipping the warm-up (delete it to redo)")
+            return
+        self.state.phase = "sft"
+        self.say(f"molt: SFT warm-up -> {output}")
+        args = [script("molt-learner"), "--config", str(self.config_path), "--mode", "sft"]
+        args += ["--model_path", str(self.recipe.learner.model_path)]
+        sft = ChildProcess(args, self.run_dir / "logs" / "learner-sft.log", self._env(self.plan.gpus("learner", 0)))
+        self.children["learner-sft"] = sft
+        process = sft.spawn()
+        self._record("learner-sft", sft)
+        code = process.wait()
+        del self.children["learner-sft"]
+        if code != 0:
+            raise RuntimeError(f"SFT warm-up exited with {code}; see {sft.log_path}")
+
+    def _start_services(self) -> None:
+        timeout = self.recipe.launcher.start_timeout_s
+        for name in SERVICES:
+            settings = self.recipe.services[name]
+            address = connect_address(settings.listen)  # type: ignore[attr-defined]
+            args = [script(SERVICES[name][1]), "--config", str(self.config_path)]
+            gpus = self.plan.gpus("learner", 0) if name == "learner" else None
+            child = ChildProcess(args, self.run_dir / "logs" / f"{name}.log", self._env(gpus))
+            self.children[name] = child
+            process = child.spawn()
+            self._record(name, child, address, HEALTH_SERVICES[name])
+            self.say(f"molt: starting {name} at {address} (log {child.log_path})")
+            began = time.monotonic()
+            try:
+                wait_serving(address, HEALTH_SERVICES[name], timeout, process)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{name} {exc}; see {child.log_path}") from exc
+            self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
+        self.state.phase = "running"
+        self.state.save()
+
+    def _monitor(self, started: float) -> int:
+        """Prints the status line until the learner exits (the run's end) or another service dies."""
+        every = self.recipe.launcher.progress_every_s
+        learner = self.children["learner"].process
+        assert learner is not None
+        while True:
+            code = learner.poll()
+            if code is not None:
+                self.say(f"molt: the learner exited with {code}")
+                return 0 if code == 0 else 1
+            for name, child in self.children.items():
+                if child.process is not None and child.process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {child.process.returncode}; see {child.log_path}")
+            snap = gather(
+                self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
+            )
+            self.say(status_line(snap, time.monotonic() - started))
+            time.sleep(every)
+
+    def _stop_all(self) -> None:
+        """Stops every child, newest first; the agent-pool gets its longer grace (final evaluation)."""
+        self.state.phase = "stopping" if self.state.phase != "failed" else "failed"
+        self.state.save()
+        launcher = self.recipe.launcher
+        for name in reversed(list(self.children)):
+            child = self.children[name]
+            if child.process is None:
+                continue
+            timeout = launcher.agent_pool_stop_timeout_s if name == "agent_pool" else launcher.stop_timeout_s
+            self.say(f"molt: stopping {name}")
+            code = child.stop(timeout_s=timeout)
+            log.info("stopped", extra={"child": name, "exitCode": code})
+        if self.redis is not None:
+            self.say("molt: stopping redis-server")
+            self.redis.stop()
+        self.state.phase = "stopped" if self.state.phase != "failed" else "failed"
+        self.state.save()
+
+
+def up(recipe: Recipe, run_dir: Path | None = None, out: TextIO = sys.stdout) -> int:
+    """Validates ``recipe``, prints its plan and runs it in ``run_dir`` (default: its ``[run] run_dir``)."""
+    plan = plan_or_raise(recipe)
+    run_dir = (run_dir or recipe.learner.run.run_dir).absolute()
+    if (run_dir / "state.json").exists() and RunState.load(run_dir).launcher_alive():
+        raise ConfigError(f"a run is already active in {run_dir} (molt status / molt down)")
+    out.write(plan.render(f"plan for {recipe.path}:") + "\n")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Launch(recipe, plan, run_dir, out).run()

@@ -1,0 +1,190 @@
+"""The launcher's parts that run without an engine: recipe handling, process groups, Redis, Ray head,
+state.json with ``molt status`` / ``molt down``, the reward figure and summary. Real processes only."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from molt.core.errors import ConfigError
+from molt.core.processes import ChildProcess, RedisServer, is_running, session_members, start_ticks
+from molt.launcher.cli import main as molt_main
+from molt.launcher.plan import embedded_redis, plan_or_raise
+from molt.launcher.progress import plot_rewards, summary
+from molt.launcher.recipe import apply_sets, load_recipe, to_toml, wire
+from molt.launcher.state import ProcessRecord, RunState, describe, down
+from molt.launcher.up import Launch
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "recipes" / "tiny-cpu.toml"
+
+# A parent that starts a grandchild in a new process group of the same session, then waits.
+PARENT_WITH_GRANDCHILD = (
+    "import subprocess, sys, time; "
+    "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], process_group=0); "
+    "print(c.pid, flush=True); time.sleep(600)"
+)
+IGNORES_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
+)
+
+
+def wait_for_line(path: Path, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip().splitlines()[0]
+        time.sleep(0.05)
+    raise AssertionError(f"{path} stayed empty")
+
+
+def test_toml_round_trip() -> None:
+    tables = {
+        "run": {"run_id": "x", "run_dir": "runs/a b", "skip": None},
+        "router": {
+            "engine": {"model_path": 'm"odels/ü', "engine_args": {"enforce_eager": True, "odd key": 1.5e-7}},
+            "sampling": {"temperature": 0.7, "top_k": -1},
+        },
+        "learner": {"optimizer": {"betas": [0.9, 0.95], "lr": math.inf}},
+        "launcher": {},
+    }
+    parsed = tomllib.loads(to_toml(tables))
+    del tables["run"]["skip"]  # TOML has no null: None values are left out
+    assert parsed == tables
+
+
+def test_set_overrides_parse_values_as_toml() -> None:
+    tables = apply_sets(
+        {"learner": {"max_steps": 80}},
+        ["learner.max_steps=5", "learner.sft.epochs=2", "run.run_id=abc", "launcher.sft_warmup=false", "run.x=a b"],
+    )
+    assert tables["learner"] == {"max_steps": 5, "sft": {"epochs": 2}}
+    assert tables["run"] == {"run_id": "abc", "x": "a b"}
+    assert tables["launcher"] == {"sft_warmup": False}
+    with pytest.raises(ConfigError, match="unknown table 'nope'"):
+        apply_sets({}, ["nope.key=1"])
+    with pytest.raises(ConfigError, match=r"expected table\.key=value"):
+        apply_sets({}, ["learner.max_steps"])
+
+
+def test_wiring_points_clients_at_servers_and_models_at_the_sft_output(tmp_path: Path) -> None:
+    recipe = load_recipe(TINY, ["router.listen=0.0.0.0:6001", "broadcaster.listen=127.0.0.1:6004"])
+    tables = wire(recipe, tmp_path, "redis://127.0.0.1:7/0", "127.0.0.1:9")
+    assert tables["agent_pool"]["router_address"] == "127.0.0.1:6001"
+    assert tables["broadcaster"]["router_address"] == "127.0.0.1:6001"
+    assert tables["learner"]["broadcaster_address"] == "127.0.0.1:6004"
+    assert tables["router"]["ray_address"] == tables["broadcaster"]["ray_address"] == "127.0.0.1:9"
+    assert tables["run"] == {**recipe.tables["run"], "run_dir": str(tmp_path), "redis_url": "redis://127.0.0.1:7/0"}
+    sft = str(tmp_path / "sft-model")
+    assert tables["router"]["engine"]["model_path"] == tables["learner"]["model_path"] == sft
+    assert tables["agent_pool"]["tokenizer_path"] == sft
+    assert recipe.tables["learner"]["model_path"] == "models/tiny"  # the recipe itself is untouched
+
+
+def test_redis_is_embedded_unless_a_url_is_given() -> None:
+    assert embedded_redis(load_recipe(TINY))
+    assert not embedded_redis(load_recipe(TINY, ["run.redis_url=redis://10.0.0.1:6379/0"]))
+    assert embedded_redis(load_recipe(TINY, ["run.redis_url=redis://10.0.0.1:6379/0", "launcher.embedded_redis=true"]))
+
+
+def test_stop_ends_the_whole_session(tmp_path: Path) -> None:
+    """The leader exits on SIGTERM, its grandchild (another process group) would not: stop kills it too."""
+    child = ChildProcess([sys.executable, "-c", PARENT_WITH_GRANDCHILD], tmp_path / "child.log")
+    process = child.spawn()
+    grandchild = int(wait_for_line(child.log_path))
+    assert set(session_members(process.pid)) == {process.pid, grandchild}
+    child.stop(timeout_s=10)
+    assert not is_running(grandchild)
+    assert session_members(process.pid) == []
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    child = ChildProcess([sys.executable, "-c", IGNORES_SIGTERM], tmp_path / "stubborn.log")
+    process = child.spawn()
+    wait_for_line(child.log_path)
+    began = time.monotonic()
+    code = child.stop(timeout_s=1)
+    assert code == -9 and 1 <= time.monotonic() - began < 10
+    assert not is_running(process.pid)
+
+
+def test_embedded_redis_starts_and_stops(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    assert server.client().ping()
+    assert server.process is not None
+    pid = server.process.pid
+    server.stop()
+    assert not is_running(pid)
+
+
+def test_status_and_down_end_a_run_whose_launcher_left_a_child(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stand-in launcher (a real process that exits on SIGTERM without cleaning up) and one recorded
+    service child: `molt status` reports both, `molt down` stops the launcher and ends the child."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    service = ChildProcess([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "logs" / "router.log")
+    service_process = service.spawn()
+    service_pid = service_process.pid
+    state = RunState(str(tmp_path), "recipe.toml", launcher.pid, start_ticks(launcher.pid), "2026-01-01T00:00:00+0000")
+    state.processes["router"] = ProcessRecord(service_pid, start_ticks(service_pid), str(service.log_path))
+    state.processes["learner"] = ProcessRecord(2**22 + 1, None, "gone.log")  # no such process
+    state.save()
+
+    lines = describe(RunState.load(tmp_path))
+    assert "alive" in lines[1] and "router" in lines[2] and " alive " in lines[2]
+    assert "not running" in lines[3]
+
+    clean, killed = down(tmp_path, timeout_s=10)
+    assert clean and killed == ["router"]
+    assert launcher.wait(timeout=10) == -15
+    assert not is_running(service_pid)
+    assert RunState.load(tmp_path).phase == "stopped"
+    assert service_process.wait(timeout=5) == -9  # ended by `down` (SIGKILL of its session)
+
+    with pytest.raises(SystemExit) as exited:
+        molt_main(["status", "--run-dir", str(tmp_path)])
+    assert exited.value.code == 1  # nothing runs any more
+    assert "not running" in capsys.readouterr().out
+
+
+def test_reward_figure_and_summary(tmp_path: Path) -> None:
+    with (tmp_path / "metrics.jsonl").open("w") as out:
+        for step in range(1, 11):
+            out.write(json.dumps({"step": step, "reward/mean": step / 20}) + "\n")
+    evals = [
+        {"policy_version": v, "mean_reward": r, "episodes": 124, "failed": 0, "time": 0.0}
+        for v, r in ((0, 0.1), (10, 0.45))
+    ]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals) + '{"policy_ver')
+    path = plot_rewards(tmp_path)
+    assert path is not None and path.read_bytes().startswith(b"\x89PNG")
+    text = summary(tmp_path, 754.0)
+    assert "wall time: 12.6 min" in text
+    assert "0.100 at version 0 -> 0.450 at version 10 (margin +0.350, 2 evaluations)" in text
+    assert plot_rewards(tmp_path / "empty") is None
+
+
+@pytest.mark.integration
+def test_local_ray_head_starts_and_stops_without_leftovers(tmp_path: Path) -> None:
+    recipe = load_recipe(TINY)
+    launch = Launch(recipe, plan_or_raise(recipe), tmp_path, io.StringIO())
+    (tmp_path / "logs").mkdir()
+    address = launch._start_ray_head()
+    head = launch.children["ray"]
+    assert head.pid is not None
+    leader = head.pid
+    assert address.startswith("127.0.0.1:")
+    assert len(session_members(leader)) > 2  # gcs, raylet, ... in the head's session
+    assert RunState.load(tmp_path).processes["ray"].pid == leader
+    head.stop(timeout_s=30)
+    assert session_members(leader) == []
