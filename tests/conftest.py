@@ -19,7 +19,7 @@ import pytest
 from molt.core.testing import ServiceProcess, free_port
 
 ROUTER_TEMPERATURE = 0.8
-ROUTER_CONTEXT = 512
+ROUTER_CONTEXT = 1024  # room for a tool-calling prompt (the calculator Env: ~514 tokens)
 ROUTER_MAX_TOKENS_CAP = 384
 ROUTER_MAX_MESSAGE_BYTES = 1024 * 1024
 

@@ -4,26 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import redis
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.agent_pool.agents import Env, Message, Prompt, StepResult
-from molt.agent_pool.config import AgentPoolSettings
+from molt.agent_pool.agents import Env, Message, Prompt, StepResult, load_agent
+from molt.agent_pool.config import AgentPoolSettings, EvalSettings
 from molt.agent_pool.episodes import TurnLimits
+from molt.agent_pool.evaluation import Evaluator
 from molt.agent_pool.pool import PromptSource, RolloutPool
 from molt.agent_pool.router_client import RouterClient
-from molt.agent_pool.service import env_runner
+from molt.agent_pool.service import VersionWatch, env_runner
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import RedisServer, ServiceProcess, free_port
-from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, common_pb2
+from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -67,17 +71,50 @@ def settings(tmp_path: Path, router: Any, redis_url: str, **overrides: Any) -> A
     return AgentPoolSettings(**(values | overrides))
 
 
+def bump_router_version(address: str, by: int = 1) -> int:
+    """Raises the router's policy version as a refit would (pause, resume with the new version); weights unchanged."""
+    with grpc.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        version = stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30).policy_version + by
+        stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=60)
+        stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(policy_version=version), timeout=60)
+    return version
+
+
+def eval_prompts(tmp_path: Path, count: int) -> Path:
+    """The first ``count`` held-out arithmetic prompts (a small eval set keeps the passes quick)."""
+    lines = (REPO / "recipes/data/arithmetic-test.jsonl").read_text().splitlines()[:count]
+    path = tmp_path / "eval.jsonl.in"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def eval_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The agent-pool's metrics: (sample name, sorted labels) -> value."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def test_service_queues_token_exact_groups(
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis, model: Any
 ) -> None:
-    port = free_port()
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
     recipe = tmp_path / "pool.toml"
     cfg = settings(tmp_path, router, redis_server.url, listen=f"127.0.0.1:{port}", autostart=False)
     recipe.write_text(
-        f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_server.url}"\n[agent_pool]\n'
-        f'listen = "{cfg.listen}"\nhttp_listen = "127.0.0.1:{free_port()}"\nmetrics_port = 0\n'
+        f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_server.url}"\nrun_dir = "{tmp_path}"\n[agent_pool]\n'
+        f'listen = "{cfg.listen}"\nhttp_listen = "127.0.0.1:{http_port}"\nmetrics_port = {metrics_port}\n'
         f'router_address = "{cfg.router_address}"\nagent = "{cfg.agent}"\nprompts_path = "{cfg.prompts_path}"\n'
         f'tokenizer_path = "{cfg.tokenizer_path}"\ngroup_size = 3\nmax_tokens = 24\nautostart = false\n'
+        f'[agent_pool.eval]\nenabled = true\ndata_path = "{eval_prompts(tmp_path, 4)}"\nsamples_per_prompt = 2\n'
     )
     service = ServiceProcess(
         [sys.executable, "-m", "molt.agent_pool", "--config", str(recipe)],
@@ -85,6 +122,7 @@ def test_service_queues_token_exact_groups(
         tmp_path / "pool.log",
         service="molt.v1.AgentPoolService",
     )
+    evals = tmp_path / "eval.jsonl"
     service.start(timeout_s=120)
     try:
         with grpc.insecure_channel(cfg.listen) as channel:
@@ -92,18 +130,46 @@ def test_service_queues_token_exact_groups(
             assert stub.StartRollouts(agent_pool_pb2.StartRolloutsRequest(max_group_count=3), timeout=10).started
             deadline = time.monotonic() + 180
             while status := stub.GetAgentPoolStatus(agent_pool_pb2.GetAgentPoolStatusRequest(), timeout=10):
-                if status.queued_group_count >= 3 or time.monotonic() > deadline:
+                if (status.queued_group_count >= 3 and eval_lines(evals)) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
+        # A request the front refuses (unknown session) shows up in the front's counter.
+        refused = httpx.post(f"http://127.0.0.1:{http_port}/s/nosuch/v1/chat/completions", json={}, timeout=10)
+        assert refused.status_code == 404
+        scraped = scrape(metrics_port)
+        # The learner moves on (no generation in flight now): the graceful stop evaluates the new version.
+        start_version = eval_lines(evals)[0]["policy_version"]
+        new_version = bump_router_version(router.address)
     finally:
         assert service.stop() == 0
     assert status.queued_group_count == 3 and status.completed_episode_count == 9
     assert not status.failed_episode_counts
 
+    assert new_version == start_version + 1
+    passes = eval_lines(evals)
+    assert [p["policy_version"] for p in passes] == [start_version, new_version]
+    for result in passes:
+        assert result["episodes"] == 8 and result["failed"] == 0 and 0.0 <= result["mean_reward"] <= 1.0
+    assert passes[1]["token_versions"] == [new_version, new_version]
+
+    def metric(name: str, **labels: str) -> float:
+        return scraped[(name, tuple(sorted(labels.items())))]
+
+    assert metric("molt_agent_pool_episodes_started_total", purpose="train") == 9
+    assert metric("molt_agent_pool_episodes_finished_total", purpose="train") == 9
+    assert metric("molt_agent_pool_episodes_failed_total", purpose="train", reason="exception") == 0
+    assert metric("molt_agent_pool_groups_queued_total") == 3
+    assert metric("molt_agent_pool_trajectories_queued_total") == 9
+    assert metric("molt_agent_pool_groups_filtered_total", reason="all_pass") == 0
+    assert metric("molt_agent_pool_episodes_finished_total", purpose="eval") == 8
+    assert metric("molt_agent_pool_eval_passes_total") == 1
+    assert metric("molt_agent_pool_eval_mean_reward") == passes[0]["mean_reward"]
+    assert metric("molt_agent_pool_front_requests_total", api="openai", status="404") == 1
+
     tokenizer = AutoTokenizer.from_pretrained(router.model_path)
     prompts = {p["id"]: p for p in PromptSource(cfg.prompts_path).prompts}
     entries = TrajectoryQueue(redis_client, RUN, consumer="check").read(count=10)
-    assert len(entries) == 3
+    assert len(entries) == 3  # evaluation episodes are never queued
     for entry in entries:
         group = entry.group
         assert len(group.trajectories) == 3 and group.sample_count == 3
@@ -199,3 +265,65 @@ def test_failing_agents_are_counted_and_never_queued(
     # The pool still works after failures: a good agent on the same settings queues its group.
     good = run_pool(cfg, ToolLoop, router, redis_client, groups=1)
     assert good.stats.queued_groups == 1
+
+
+def test_eval_runs_at_start_on_version_multiples_and_at_stop(tmp_path: Path, router: Any) -> None:
+    """every_versions = 2: a pass at start, one when the version crosses a multiple of 2, one at the stop."""
+    arithmetic = load_agent(f"{REPO}/recipes/agents/arithmetic.py:ArithmeticEnv")
+    assert issubclass(arithmetic, Env)
+    out = tmp_path / "eval.jsonl"
+    eval_settings = EvalSettings(
+        enabled=True, data_path=eval_prompts(tmp_path, 2), every_versions=2, samples_per_prompt=2
+    )
+
+    async def until(condition: Any, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.1)
+
+    async def main() -> tuple[int, Evaluator]:
+        client = RouterClient(router.address)
+        watch = VersionWatch(client)
+        start = await watch.refresh()
+        watch.task = asyncio.create_task(watch.run())
+        runner = env_runner(arithmetic, AutoTokenizer.from_pretrained(router.model_path), client, TurnLimits(8, 512))
+        evaluator = Evaluator(eval_settings, runner, watch, out, episode_timeout_s=60, max_concurrent=8)
+        evaluator.start()
+        await until(lambda: len(evaluator.results) == 1)
+        await asyncio.to_thread(bump_router_version, router.address, 2)  # crosses a multiple of 2
+        await until(lambda: len(evaluator.results) == 2)
+        await asyncio.to_thread(bump_router_version, router.address, 1)  # crosses one only if start is odd
+        await asyncio.sleep(2.5)  # the version watch and the cadence loop see it
+        await watch.refresh()
+        await evaluator.close(final=True)
+        watch.task.cancel()
+        await client.close()
+        return start, evaluator
+
+    start, evaluator = asyncio.run(main())
+    expected = [start, start + 2, start + 3]  # the last by cadence (odd start) or by the stop (even start)
+    assert [r.policy_version for r in evaluator.results] == expected
+    assert [line["policy_version"] for line in eval_lines(out)] == expected
+    for result in evaluator.results:
+        assert result.episodes == 4 and result.failed == 0
+        assert result.token_versions == [result.policy_version] * 2
+
+
+def test_calculator_env_through_the_pool(
+    tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The tool-use recipe runs end to end: its tool list is in the prompt, its groups reach the queue."""
+    calculator = load_agent(f"{REPO}/recipes/agents/calculator.py:CalculatorEnv")
+    assert issubclass(calculator, Env)
+    cfg = settings(
+        tmp_path, router, redis_server.url, group_size=2, prompts_path=REPO / "recipes/data/calculator-train.jsonl"
+    )
+    pool = run_pool(cfg, calculator, router, redis_client, groups=1)
+    assert pool.stats.queued_groups == 1 and not pool.stats.failed_episodes
+    (entry,) = TrajectoryQueue(redis_client, RUN, consumer="check").read(count=10)
+    tokenizer = AutoTokenizer.from_pretrained(router.model_path)
+    for trajectory in entry.group.trajectories:
+        assert '"name": "calculator"' in tokenizer.decode(list(trajectory.prompt_token_ids))
+        assert 1 <= trajectory.turn_count <= calculator.max_turns and trajectory.reward in (0.0, 1.0)
+        assert trajectory.loss_mask[0] and len(trajectory.loss_mask) == len(trajectory.response_token_ids)

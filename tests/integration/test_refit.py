@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from molt.core.config import RunSettings
-from molt.core.processes import ChildProcess, log_tail
+from molt.core.processes import ChildProcess, ensure_ray_auth_token, log_tail
 from molt.core.testing import RedisServer, ServiceProcess, free_port
 from molt.core.tiny_model import build
 from molt.learner.config import LearnerSettings
@@ -42,9 +42,11 @@ PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head of its own (``ray start --block``: stopping its session stops the cluster)."""
     port = free_port()
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    ensure_ray_auth_token(ray_cli)
     head = ChildProcess(
         [
-            str(Path(sys.executable).parent / "ray"),
+            ray_cli,
             "start",
             "--head",
             "--block",

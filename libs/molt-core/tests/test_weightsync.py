@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from molt.core import weightsync
 from molt.core.weightsync import (
     TensorMeta,
     WeightGroup,
@@ -15,8 +16,10 @@ from molt.core.weightsync import (
     check_manifest,
     manifest_from_json,
     manifest_to_json,
+    pack_bucket,
     plan_buckets,
     tensor_checksum,
+    unpack_bucket,
 )
 
 
@@ -30,6 +33,18 @@ def test_checksum_sees_every_bit_and_position() -> None:
     assert tensor_checksum(base) != tensor_checksum(flipped)
     assert tensor_checksum(base) != tensor_checksum(swapped)
     assert tensor_checksum(base.to(torch.bfloat16)) != tensor_checksum(base.to(torch.bfloat16).roll(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
+def test_checksum_equals_its_definition_across_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sum of bits(i) * (i mod 65521 + 1), mod 2**64 (bytes unsigned, wider elements signed), over many chunks."""
+    monkeypatch.setattr(weightsync, "_CHUNK_CPU", 1000)
+    monkeypatch.setattr(weightsync, "_WEIGHTS", {})
+    tensor = (torch.randn(140_001, generator=torch.Generator().manual_seed(1)) * 1e4).to(dtype)
+    bits = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+    positions = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
+    expected = sum(int(b) * int(w) for b, w in zip(bits.tolist(), positions.tolist(), strict=True)) % 2**64
+    assert tensor_checksum(tensor) == expected
 
 
 def test_checksum_of_non_contiguous_tensor_equals_its_contiguous_copy() -> None:
@@ -56,6 +71,28 @@ def test_layout_aligns_every_tensor() -> None:
     ]
     offsets, total = bucket_layout(metas)
     assert offsets == [0, 16, 32] and total == 33
+
+
+def test_pack_and_unpack_roundtrip_with_zeroed_gaps() -> None:
+    tensors = {
+        "a": torch.randn(3).to(torch.bfloat16),
+        "b": torch.randn(4, 2, dtype=torch.float64).t(),  # non-contiguous: packed as its contiguous copy
+        "c": torch.arange(5, dtype=torch.int8),
+        "empty": torch.zeros(0, 3),
+    }
+    metas = [TensorMeta.of(name, t) for name, t in tensors.items()]
+    buffer = pack_bucket(metas, tensors, torch.device("cpu"))
+    offsets, total = bucket_layout(metas)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == total
+    assert int(buffer[6:16].count_nonzero()) == 0  # the alignment gap after "a"
+    unpacked = {m.name: t for m, t in unpack_bucket(metas, buffer)}
+    for meta in metas:
+        assert unpacked[meta.name].dtype == tensors[meta.name].dtype
+        assert torch.equal(unpacked[meta.name], tensors[meta.name])
+        assert tensor_checksum(unpacked[meta.name]) == meta.checksum
+    assert unpacked["c"].data_ptr() == buffer.data_ptr() + offsets[2]  # views, not copies
+    with pytest.raises(ValueError, match="bucket buffer"):
+        list(unpack_bucket(metas, buffer[:-1]))
 
 
 def test_manifest_roundtrip_and_checks() -> None:

@@ -33,6 +33,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def ensure_ray_auth_token(ray_cli: str) -> None:
+    """Makes sure a Ray auth token exists before a ``ray start`` head: that head turns token auth on,
+    and clients (run with ``RAY_AUTH_MODE=token``) must find the same token. Generates
+    ``~/.ray/auth_token`` with ``ray get-auth-token --generate`` when no token is configured."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    configured = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if Path(configured or Path.home() / ".ray" / "auth_token").expanduser().exists():
+        return
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=120)
+
+
 def _stat_fields(pid: int) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None if gone."""
     try:

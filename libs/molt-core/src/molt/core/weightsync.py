@@ -33,7 +33,11 @@ import torch.distributed as dist
 _MASK64 = (1 << 64) - 1
 # Integer views by element size: the checksum reads raw bits, never values.
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 24  # elements hashed at once (bounds the int64 temporaries)
+_PERIOD = 65521  # position weights repeat with this period
+# Elements hashed at once: bounds the int64 temporaries and the cached position weights (int64, chunk + _PERIOD).
+_CHUNK_CPU = 1 << 22
+_CHUNK_DEVICE = 1 << 23
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -83,12 +87,34 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
     if flat.numel() == 0:
         return 0
     ints = flat.view(_INT_VIEW[flat.element_size()])
-    total = 0
-    for start in range(0, ints.numel(), _CHUNK):
-        part = ints[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64) % 65521 + 1
-        total = (total + int((part * weights).sum().item())) & _MASK64
-    return total
+    chunk = _CHUNK_CPU if ints.device.type == "cpu" else _CHUNK_DEVICE
+    weights = _position_weights(ints.device, chunk)
+    if ints.device.type == "cpu":  # int64 dot product: no int64 temporary but the reused scratch
+        scratch = torch.empty(min(chunk, ints.numel()), dtype=torch.int64)
+        total = 0
+        for start in range(0, ints.numel(), chunk):
+            part = scratch[: min(chunk, ints.numel() - start)]
+            part.copy_(ints[start : start + chunk])
+            offset = start % _PERIOD
+            total = (total + int(torch.dot(part, weights[offset : offset + part.numel()]))) & _MASK64
+        return total
+    # Elsewhere: accumulate on the device (sums wrap mod 2**64 like the host's), one synchronisation at the end.
+    acc = torch.zeros((), dtype=torch.int64, device=ints.device)
+    for start in range(0, ints.numel(), chunk):
+        part = ints[start : start + chunk]
+        offset = start % _PERIOD
+        acc += (part * weights[offset : offset + part.numel()]).sum()  # int64 by promotion
+    return int(acc.item()) & _MASK64
+
+
+def _position_weights(device: torch.device, chunk: int) -> torch.Tensor:
+    """``i mod 65521 + 1`` for i in [0, chunk + 65521), cached per device: the chunk at element ``start`` uses the
+    slice from ``start mod 65521``."""
+    weights = _WEIGHTS.get(device)
+    if weights is None or weights.numel() < chunk + _PERIOD:
+        weights = torch.arange(chunk + _PERIOD, dtype=torch.int64, device=device) % _PERIOD + 1
+        _WEIGHTS[device] = weights
+    return weights
 
 
 def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:

@@ -26,7 +26,14 @@ from types import FrameType
 from typing import TextIO
 
 from molt.core.errors import ConfigError
-from molt.core.processes import ChildProcess, RedisServer, free_port, start_ticks, wait_serving
+from molt.core.processes import (
+    ChildProcess,
+    RedisServer,
+    ensure_ray_auth_token,
+    free_port,
+    start_ticks,
+    wait_serving,
+)
 from molt.launcher.plan import Plan, embedded_redis, plan_or_raise
 from molt.launcher.progress import gather, plot_rewards, status_line, summary
 from molt.launcher.recipe import SERVICES, Recipe, connect_address, resolve_services, to_toml, wire
@@ -168,6 +175,7 @@ class Launch:
         args += ["--disable-usage-stats", "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
         for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--metrics-export-port"):
             args += [flag, str(free_port())]  # their defaults are fixed ports another Ray may hold
+        ensure_ray_auth_token(args[0])
         head = ChildProcess(args, self.run_dir / "logs" / "ray.log", self._env(engine_gpus))
         self.children["ray"] = head
         process = head.spawn()

@@ -25,6 +25,25 @@ class FilterSettings(BaseModel):
         return self
 
 
+class EvalSettings(BaseModel):
+    """Held-out evaluation: the agent on test prompts, never queued for training."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(False, description="Run evaluation passes over data_path.")
+    data_path: Path | None = Field(None, description="JSONL test prompts (same shape as prompts_path).")
+    every_versions: int = Field(
+        0, ge=0, description="Evaluate whenever the policy version crosses a multiple of this; 0: start and stop only."
+    )
+    samples_per_prompt: int = Field(1, ge=1, description="Episodes per test prompt.")
+
+    @model_validator(mode="after")
+    def _data(self) -> EvalSettings:
+        if self.enabled and self.data_path is None:
+            raise ValueError("eval is enabled but data_path is not set")
+        return self
+
+
 class AgentPoolSettings(ServiceSettings):
     """molt-agent-pool: runs agents, serves the OpenAI/Anthropic front, queues trajectory groups."""
 
@@ -52,3 +71,4 @@ class AgentPoolSettings(ServiceSettings):
         1024, ge=1, description="Bound of the trajectory queue (groups not yet acknowledged)."
     )
     filter: FilterSettings = Field(default_factory=FilterSettings, description="Dynamic filtering of groups.")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Held-out evaluation passes.")

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from molt.agent_pool import chat_formats as fmt
+from molt.agent_pool import metrics
 from molt.agent_pool.episodes import TurnLimits
 from molt.agent_pool.router_client import GenerationRequest, RouterClient, Sample
 from molt.agent_pool.transcript import Transcript, TurnPlan
@@ -381,10 +382,13 @@ class ChatFront:
             async with session.lock:
                 if digest in session.cache:  # an identical retry: same reply, nothing recorded
                     cached = session.cache[digest]
+                    metrics.FRONT_REQUESTS.labels(api, "200").inc()
                     if isinstance(cached, list):
                         return StreamingResponse(iter(cached), media_type="text/event-stream")
                     return JSONResponse(cached)
-                return await handler(session, body, digest)
+                response: Response = await handler(session, body, digest)
+                metrics.FRONT_REQUESTS.labels(api, str(response.status_code)).inc()
+                return response
         except MoltError as exc:
             status = (
                 401
@@ -395,6 +399,7 @@ class ChatFront:
                 "front request refused",
                 extra={"api": api, "status": status, "reason": exc.reason, "error": exc.message},
             )
+            metrics.FRONT_REQUESTS.labels(api, str(status)).inc()
             return error_response(api, status, exc.message)
 
 

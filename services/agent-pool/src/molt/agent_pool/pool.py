@@ -25,6 +25,7 @@ from pathlib import Path
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
 from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode
@@ -147,57 +148,95 @@ class RolloutPool:
             if not self.stats.backpressured:
                 log.info("waiting for the learner", extra={"needed_version": needed, "group": index})
             self.stats.backpressured = True
+            metrics.BACKPRESSURED.set(1)
             await asyncio.sleep(0.2)
         self.stats.backpressured = False
+        metrics.BACKPRESSURED.set(0)
 
     async def _group(self, prompt: Prompt) -> None:
         self.stats.in_flight_groups += 1
+        metrics.GROUPS_IN_FLIGHT.inc()
         try:
             results = await asyncio.gather(*(self._episode(prompt) for _ in range(self.settings.group_size)))
             episodes = [e for e in results if e is not None]
             await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
         finally:
             self.stats.in_flight_groups -= 1
+            metrics.GROUPS_IN_FLIGHT.dec()
 
     async def _episode(self, prompt: Prompt) -> Episode | None:
         async with self.episodes:
             self.stats.in_flight_episodes += 1
+            metrics.EPISODES_IN_FLIGHT.inc()
             try:
-                episode = await asyncio.wait_for(self.runner(prompt), self.settings.episode_timeout_s)
-            except TimeoutError:
-                return self._failed("timeout", prompt, None)
+                episode, reason = await attempt(self.runner, prompt, self.settings.episode_timeout_s, "train")
             except asyncio.CancelledError:
-                self._failed("stopped", prompt, None)
+                self.stats.failed_episodes["stopped"] += 1
                 raise
-            except Unavailable as exc:
-                return self._failed("router_unavailable", prompt, exc)
-            except Exception as exc:  # the agent's own code raised: a failed episode, logged with traceback
-                return self._failed("exception", prompt, exc)
             finally:
                 self.stats.in_flight_episodes -= 1
-        if not episode.segments:
-            return self._failed("no_tokens", prompt, None)
+                metrics.EPISODES_IN_FLIGHT.dec()
+        if episode is None:
+            self.stats.failed_episodes[reason or "exception"] += 1
+            return None
         self.stats.completed_episodes += 1
         self.stats.recent_rewards.append(episode.reward)
         return episode
 
-    def _failed(self, reason: str, prompt: Prompt, exc: BaseException | None) -> None:
-        self.stats.failed_episodes[reason] += 1
-        log.warning("episode failed", exc_info=exc, extra={"reason": reason, "prompt_id": prompt.get("id")})
+    def _filtered(self, reason: str, prompt: Prompt) -> None:
+        self.stats.filtered_groups[reason] += 1
+        metrics.GROUPS_FILTERED.labels(reason).inc()
+        log.info("group not queued", extra={"reason": reason, "prompt_id": prompt.get("id")})
 
     async def _queue_group(self, prompt: Prompt, episodes: list[Episode], failed: int) -> None:
         if not episodes:
-            self.stats.filtered_groups["no_episodes"] += 1
+            self._filtered("no_episodes", prompt)
             return
         band = self.settings.filter
         mean = sum(e.reward for e in episodes) / len(episodes)
         if band.enabled and not band.low < mean < band.high:
-            self.stats.filtered_groups["all_fail" if mean <= band.low else "all_pass"] += 1
+            self._filtered("all_fail" if mean <= band.low else "all_pass", prompt)
             return
         group = build_group(self.settings.run.run_id, str(prompt["id"]), episodes, self.settings, failed)
         result = await asyncio.to_thread(self.queue.put, group)  # blocks while the queue is full
+        queued = len(group.trajectories) - len(result.duplicate_ids)
         self.stats.queued_groups += result.entry_id is not None
-        self.stats.queued_trajectories += len(group.trajectories) - len(result.duplicate_ids)
+        self.stats.queued_trajectories += queued
+        metrics.GROUPS_QUEUED.inc(result.entry_id is not None)
+        metrics.TRAJECTORIES_QUEUED.inc(queued)
+
+
+async def attempt(
+    runner: EpisodeRunner, prompt: Prompt, timeout_s: float, purpose: str
+) -> tuple[Episode | None, str | None]:
+    """Runs one episode: ``(episode, None)``, or ``(None, reason)`` when it failed (logged, counted).
+
+    Cancellation is counted as "stopped" and re-raised.
+    """
+    metrics.EPISODES_STARTED.labels(purpose).inc()
+    try:
+        episode = await asyncio.wait_for(runner(prompt), timeout_s)
+    except TimeoutError:
+        return None, _failed("timeout", purpose, prompt, None)
+    except asyncio.CancelledError:
+        _failed("stopped", purpose, prompt, None)
+        raise
+    except Unavailable as exc:
+        return None, _failed("router_unavailable", purpose, prompt, exc)
+    except Exception as exc:  # the agent's own code raised: a failed episode, logged with traceback
+        return None, _failed("exception", purpose, prompt, exc)
+    if not episode.segments:
+        return None, _failed("no_tokens", purpose, prompt, None)
+    metrics.EPISODES_FINISHED.labels(purpose).inc()
+    return episode, None
+
+
+def _failed(reason: str, purpose: str, prompt: Prompt, exc: BaseException | None) -> str:
+    metrics.EPISODES_FAILED.labels(purpose, reason).inc()
+    log.warning(
+        "episode failed", exc_info=exc, extra={"reason": reason, "purpose": purpose, "prompt_id": prompt.get("id")}
+    )
+    return reason
 
 
 def build_group(

@@ -10,9 +10,11 @@ import redis
 import uvicorn
 from transformers import AutoTokenizer
 
+from molt.agent_pool import metrics
 from molt.agent_pool.agents import ChatAgent, Env, Prompt, load_agent
 from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode, TurnLimits, run_chat_episode, run_env_episode
+from molt.agent_pool.evaluation import Evaluator
 from molt.agent_pool.front import ChatFront
 from molt.agent_pool.pool import EpisodeRunner, PromptSource, RolloutPool
 from molt.agent_pool.router_client import RouterClient
@@ -34,12 +36,18 @@ class VersionWatch:
         self.version = 0
         self.task: asyncio.Task[None] | None = None
 
+    async def refresh(self) -> int:
+        """Asks the router now; keeps the last known version when it cannot be reached."""
+        try:
+            self.version = (await self.router.info()).policy_version
+            metrics.POLICY_VERSION.set(self.version)
+        except Unavailable as exc:
+            log.error("cannot reach the rollout-router", extra={"error": exc.message})
+        return self.version
+
     async def run(self) -> None:
         while True:
-            try:
-                self.version = (await self.router.info()).policy_version
-            except Unavailable as exc:
-                log.error("cannot reach the rollout-router", extra={"error": exc.message})
+            await self.refresh()
             await asyncio.sleep(1.0)
 
     def __call__(self) -> int:
@@ -95,8 +103,19 @@ async def serve(settings: AgentPoolSettings) -> None:
         redis.Redis.from_url(settings.run.redis_url), settings.run.run_id, max_length=settings.queue_max_length
     )
     watch = VersionWatch(router)
+    watch.version = info.policy_version
     watch.task = asyncio.create_task(watch.run())
     pool = RolloutPool(settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch)
+    evaluator = None
+    if settings.eval.enabled:
+        evaluator = Evaluator(
+            settings.eval,
+            runner,
+            watch,
+            settings.run.run_dir / "eval.jsonl",
+            settings.episode_timeout_s,
+            settings.max_concurrent_episodes,
+        )
     host = ServiceHost(
         name="agent-pool",
         listen=settings.listen,
@@ -110,11 +129,16 @@ async def serve(settings: AgentPoolSettings) -> None:
         metrics_port=settings.metrics_port,
     )
     await host.start()
+    if evaluator is not None:
+        evaluator.start()
     if settings.autostart:
         pool.start()
 
     async def stop() -> None:
         await pool.stop(drain=False)
+        if evaluator is not None:
+            await watch.refresh()
+            await evaluator.close(final=True)  # the latest policy version gets its evaluation
         if watch.task is not None:
             watch.task.cancel()
         server.should_exit = True

@@ -96,6 +96,9 @@ class SFTSettings(BaseModel):
     samples_per_step: int = Field(8, ge=1, description="Conversations per optimizer step.")
     max_length: int = Field(2048, ge=2, description="Conversations are truncated to this many tokens.")
     output_dir: Path | None = Field(None, description="Where the tuned model is saved; unset = <run_dir>/sft-model.")
+    lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of the warm-up; unset = [learner.optimizer] lr (RL's)."
+    )
 
 
 class LearnerSettings(ServiceSettings):

@@ -104,6 +104,8 @@ def run_sft(settings: LearnerSettings) -> Path:
             samples.append(sample)
     if not samples:
         raise InvalidInput(f"{sft.data_path} has no assistant tokens to train on")
+    if sft.lr is not None:  # supervised warm-up and RL usually want different rates
+        settings = settings.model_copy(update={"optimizer": settings.optimizer.model_copy(update={"lr": sft.lr})})
     trainer = Trainer(settings)
     metrics = MetricsLog(settings.run.run_dir / "sft", plot_every=settings.plot_every)
     order = random.Random(settings.seed)

@@ -45,7 +45,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
 
-    ray.init(address=settings.ray_address, namespace=f"molt-{settings.run.run_id}", log_to_driver=True)
+    # Unset: a Ray instance of its own ("local"), never whatever `ray start` cluster (live or stale)
+    # this machine recorded last.
+    ray.init(address=settings.ray_address or "local", namespace=f"molt-{settings.run.run_id}", log_to_driver=True)
     try:
         asyncio.run(serve(settings))
     finally:

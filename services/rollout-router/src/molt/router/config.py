@@ -70,7 +70,11 @@ class RouterSettings(ServiceSettings):
     listen: str = Field("127.0.0.1:50051", description="gRPC listen address host:port.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     ray_address: str | None = Field(
-        None, description="Ray cluster to join ('auto' or host:port); unset starts a local head."
+        None,
+        description=(
+            "Ray cluster to join (host:port, or 'auto' for the one `ray start` recorded on this machine); "
+            "unset starts a Ray instance of the router's own (the broadcaster cannot join that one)."
+        ),
     )
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted, in bytes.")
     engine: EngineSettings = Field(description="Engines to start.")
