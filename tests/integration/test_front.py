@@ -52,6 +52,7 @@ def with_front(router: Any, body: Callable[[ChatFront, str], Awaitable[T]]) -> T
         finally:
             server.should_exit = True
             await task
+            await front.aclose()
             await client.close()
 
     return asyncio.run(main())

@@ -81,14 +81,16 @@ async def run_chat_episode(agent: ChatAgent, prompt: Prompt, front: ChatFront, b
 
     session = front.open_session()
     started, wall = time.time(), time.monotonic()
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/s/{session.id}/v1", api_key=session.key)
-    agent.anthropic = anthropic.AsyncAnthropic(base_url=f"{base_url}/s/{session.id}", api_key=session.key)
+    # Both SDK clients ride on the front's shared HTTP clients; closing those is the front's business.
+    openai_http, anthropic_http = front.sdk_http_clients()
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/s/{session.id}/v1", api_key=session.key, http_client=openai_http)
+    agent.anthropic = anthropic.AsyncAnthropic(
+        base_url=f"{base_url}/s/{session.id}", api_key=session.key, http_client=anthropic_http
+    )
     try:
         result = await maybe_await(agent.run(client, prompt))
     finally:
         front.close_session(session.id)
-        await client.close()
-        await agent.anthropic.close()
     if isinstance(result, AgentResult):
         reward, components = float(result.reward), dict(result.reward_components)
     else:

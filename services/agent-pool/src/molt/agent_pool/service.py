@@ -143,6 +143,7 @@ async def serve(settings: AgentPoolSettings) -> None:
             watch.task.cancel()
         server.should_exit = True
         await front_task
+        await front.aclose()
         await router.close()
 
     await host.serve_until_signal(on_stop=stop)
