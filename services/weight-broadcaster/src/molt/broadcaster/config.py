@@ -25,7 +25,10 @@ class BroadcasterSettings(ServiceSettings):
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPU.")
     bucket_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes.")
     pause_mode: Literal["drain", "keep"] = Field("keep", description="How the router pauses for a refit.")
-    probe: bool = Field(True, description="Run the teacher-forced logprob probe during validation.")
+    probe: bool = Field(
+        True,
+        description="Run the teacher-forced probe when the learner sends one (refit_probe_tokens > 0); false skips it.",
+    )
     probe_tolerance: float = Field(1e-3, gt=0, description="Largest allowed |engine - learner| probe logprob.")
     publish_redis: bool = Field(
         True, description="Also publish each version to the Redis key molt:<run>:policy_version."

@@ -250,7 +250,8 @@ class Broadcaster:
                 raise WrongState("refit loaded on some engines only: " + "; ".join(problems))
             if problems:
                 raise WrongState("refit loaded but did not validate: " + "; ".join(problems))
-            if request.run_probe:
+            probed = request.run_probe and self.settings.probe
+            if probed:
                 worst = await self._probe(request)
                 report.probe_max_abs_logprob_diff = worst
                 if worst > self.settings.probe_tolerance:
@@ -272,7 +273,7 @@ class Broadcaster:
                     "bytes": report.byte_count,
                     "buckets": report.bucket_count,
                     "seconds": round(time.perf_counter() - started, 3),
-                    "probe_max_abs_diff": report.probe_max_abs_logprob_diff if request.run_probe else None,
+                    "probe_max_abs_diff": report.probe_max_abs_logprob_diff if probed else None,
                 },
             )
             return weights_pb2.RefitWeightsResponse(policy_version=version, report=report)
