@@ -86,6 +86,26 @@ def test_duplicate_trajectory_ids_are_dropped(redis_client: redis.Redis) -> None
     assert queue.stats().depth == 2
 
 
+def test_put_many_batches_keep_the_dedupe_and_the_bound(redis_client: redis.Redis) -> None:
+    """The transaction path (no Lua) and the script fallback agree: an id repeated inside one batch,
+    an id seen before, and a batch that does not fit are handled exactly as single puts are."""
+    queue = TrajectoryQueue(redis_client, RUN, max_length=4, consumer="c0")
+    a, b = make_group(samples=2), make_group(samples=2)
+    b.trajectories.append(a.trajectories[0])  # repeated inside the batch
+    results = queue.put_many([a, b])
+    assert results[0].duplicate_ids == () and results[1].duplicate_ids == (a.trajectories[0].trajectory_id,)
+    seen = queue.put_many([a], timeout=0)[0]
+    assert seen.entry_id is None and len(seen.duplicate_ids) == 2
+    clean = queue.put_many([make_group(), make_group()])  # the transaction path
+    assert all(r.entry_id is not None and r.duplicate_ids == () for r in clean)
+    with pytest.raises(Backpressure):  # 4 queued: a fifth does not fit
+        queue.put_many([make_group()], timeout=0)
+    entries = queue.read(count=10)
+    assert [len(e.group.trajectories) for e in entries] == [2, 2, 2, 2]
+    ids = [t.trajectory_id for e in entries for t in e.group.trajectories]
+    assert len(ids) == len(set(ids)) == redis_client.scard(QueueKeys(RUN).seen_ids)
+
+
 def test_backpressure_engages_at_the_bound_and_never_drops(redis_client: redis.Redis) -> None:
     queue = TrajectoryQueue(redis_client, RUN, max_length=3, consumer="c0")
     for _ in range(3):

@@ -155,9 +155,13 @@ class TrajectoryQueue:
             if problems:
                 raise InvalidInput("malformed TrajectoryGroup: " + "; ".join(problems), reason="MALFORMED_GROUP")
         deadline = None if timeout is None else time.monotonic() + timeout
+        payloads = [group.SerializeToString() for group in groups]
+        entry_ids = self._put_transaction(groups, payloads)
+        if entry_ids is not None:
+            return [PutResult(entry_id, ()) for entry_id in entry_ids]
         with self.client.pipeline(transaction=False) as pipe:
-            for group in groups:
-                self._put_script(group, pipe)
+            for group, payload in zip(groups, payloads, strict=True):
+                self._put_script(group, pipe, payload)
             replies = pipe.execute()
         results: list[PutResult] = []
         for group, reply in zip(groups, replies, strict=True):
@@ -165,11 +169,41 @@ class TrajectoryQueue:
             results.append(done if done is not None else self._put_one(group, deadline))
         return results
 
-    def _put_script(self, group: common_pb2.TrajectoryGroup, client: redis.Redis | Pipeline) -> Any:
+    def _put_transaction(self, groups: Sequence[common_pb2.TrajectoryGroup], payloads: list[bytes]) -> list[str] | None:
+        """The common case without Lua: WATCH the stream and the id set, check that every group fits
+        and no id was seen, then SADD + XADD them all in one MULTI/EXEC (a concurrent writer makes
+        EXEC fail and the check run again). Returns the entry ids, or None when some group is a
+        duplicate, the queue lacks room, or writers keep colliding: the put script handles those.
+        (Passing the payload through a Lua script copies it twice more: ~2x the put time at 100 KB.)"""
+        ids = [t.trajectory_id for group in groups for t in group.trajectories]
+        if len(set(ids)) != len(ids):  # an id twice in this batch: the script path keeps the first only
+            return None
+        for _ in range(3):
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(self.keys.stream, self.keys.seen_ids)
+                    length = int(pipe.xlen(self.keys.stream))
+                    seen = pipe.smismember(self.keys.seen_ids, ids) if ids else []
+                    if length + len(groups) > self.max_length or any(seen):
+                        pipe.unwatch()
+                        return None
+                    pipe.multi()
+                    for payload, group in zip(payloads, groups, strict=True):
+                        pipe.sadd(self.keys.seen_ids, *[t.trajectory_id for t in group.trajectories])
+                        pipe.xadd(self.keys.stream, {PAYLOAD_FIELD: payload})
+                    replies = pipe.execute()
+                except redis.WatchError:
+                    continue
+            return [entry.decode() if isinstance(entry, bytes) else str(entry) for entry in replies[1::2]]
+        return None
+
+    def _put_script(
+        self, group: common_pb2.TrajectoryGroup, client: redis.Redis | Pipeline, payload: bytes | None = None
+    ) -> Any:
         ids = [t.trajectory_id for t in group.trajectories]
         return self._put(
             keys=[self.keys.stream, self.keys.seen_ids],
-            args=[self.max_length, group.SerializeToString(), *ids],
+            args=[self.max_length, payload if payload is not None else group.SerializeToString(), *ids],
             client=client,
         )
 
