@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -43,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from benchlib import start_router
 
-from molt.core.processes import ServiceProcess, free_port, session_members
+from molt.core.processes import free_port, session_members
 from molt.core.tiny_model import build
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -258,28 +258,19 @@ def main() -> None:
             f"{args.max_tokens} tokens each, tiny model, temperature {TEMPERATURE}, "
             f"{args.repeats} rounds per path after a warm-up round, {os.cpu_count()} cpus"
         )
-        port = free_port()
-        recipe = Path(tmp) / "router.toml"
-        recipe.write_text(
-            f'[run]\nrun_id = "bench-agent-pool"\nrun_dir = "{Path(tmp) / "run"}"\n'
-            f'[router]\nlisten = "127.0.0.1:{port}"\nmetrics_port = 0\n'
-            f'[router.engine]\nmodel_path = "{model}"\ndtype = "float32"\nmax_model_len = {CONTEXT}\n'
-            f"engine_args = {{ enforce_eager = true }}\n"
-            f"[router.sampling]\ntemperature = {TEMPERATURE}\nmax_tokens_cap = {args.max_tokens}\n"
-        )
-        router = ServiceProcess(
-            [sys.executable, "-m", "molt.router", "--config", str(recipe)],
-            f"127.0.0.1:{port}",
-            Path(tmp) / "router.log",
-            env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
-            service="molt.v1.RolloutService",
-        )
         started = time.perf_counter()
-        router.start(timeout_s=600)
+        router, address = start_router(
+            Path(tmp),
+            model,
+            run_id="bench-agent-pool",
+            context=CONTEXT,
+            temperature=TEMPERATURE,
+            max_tokens_cap=args.max_tokens,
+        )
         pid = router.pid
         print(f"router serving after {time.perf_counter() - started:.0f} s")
         try:
-            asyncio.run(bench(f"127.0.0.1:{port}", model, prompts, args))
+            asyncio.run(bench(address, model, prompts, args))
         finally:
             code = router.stop()
             left = session_members(pid) if pid is not None else []

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import benchlib
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -60,18 +61,7 @@ AUTOMODEL_NOTE = "backend: torch path (transformers + torch); NVIDIA AutoModel i
 
 
 def qwen2_config(args: argparse.Namespace) -> Qwen2Config:
-    heads = args.hidden // 128
-    return Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=128,
-        max_position_embeddings=max(4096, args.seq_len),
-        tie_word_embeddings=True,
-    )
+    return benchlib.qwen2_config(args.hidden, args.intermediate, args.layers, args.vocab, max(4096, args.seq_len))
 
 
 CUDA = torch.cuda.is_available()  # without CUDA: a quick check of the code on a tiny config (--layers 2 ...)

@@ -47,6 +47,7 @@ import statistics
 import time
 from datetime import timedelta
 
+import benchlib
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -69,18 +70,7 @@ PROBE_SEED = 1234  # the learner's probe seed (molt.learner.refit.PROBE_SEED)
 
 
 def qwen2_config(args: argparse.Namespace) -> Qwen2Config:
-    heads = args.hidden // 128
-    return Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    return benchlib.qwen2_config(args.hidden, args.intermediate, args.layers, args.vocab, 4096)
 
 
 def build_model(config: Qwen2Config, seed: int, device: torch.device) -> Qwen2ForCausalLM:

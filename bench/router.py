@@ -15,14 +15,13 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
+from benchlib import start_router
 
-from molt.core.testing import ServiceProcess, free_port
 from molt.core.tiny_model import build
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -126,23 +125,11 @@ def main() -> None:
             f"tiny model, temperature {TEMPERATURE}, {args.rounds} rounds after a warm-up round"
         )
         direct = asyncio.run(run_direct(model, work, args.max_tokens, args.rounds))
-        port = free_port()
-        recipe = Path(tmp) / "router.toml"
-        recipe.write_text(
-            f'[run]\nrun_id = "bench"\n[router]\nlisten = "127.0.0.1:{port}"\nmetrics_port = 0\n'
-            f'[router.engine]\nmodel_path = "{model}"\ndtype = "float32"\nmax_model_len = {CONTEXT}\n'
-            f"engine_args = {{ enforce_eager = true }}\n"
-            f"[router.sampling]\ntemperature = {TEMPERATURE}\nmax_tokens_cap = {args.max_tokens}\n"
+        router, address = start_router(
+            Path(tmp), model, run_id="bench", context=CONTEXT, temperature=TEMPERATURE, max_tokens_cap=args.max_tokens
         )
-        router = ServiceProcess(
-            [sys.executable, "-m", "molt.router", "--config", str(recipe)],
-            f"127.0.0.1:{port}",
-            Path(tmp) / "router.log",
-            env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
-        )
-        router.start(timeout_s=600)
         try:
-            routed = asyncio.run(run_router(f"127.0.0.1:{port}", work, args.max_tokens, args.rounds))
+            routed = asyncio.run(run_router(address, work, args.max_tokens, args.rounds))
         finally:
             router.stop()
     print(f"throughput ratio router/direct: {routed['tokens_per_s'] / direct['tokens_per_s']:.3f}  (goal >= 0.95)")

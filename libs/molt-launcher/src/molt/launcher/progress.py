@@ -61,73 +61,48 @@ class Snapshot:
     unreachable: list[str] = field(default_factory=list)
 
 
-def _call(address: str, make_stub: Any, method: str, request: Any) -> Any | None:
-    with grpc.insecure_channel(address) as channel:
+def _ask(snap: Snapshot, addresses: dict[str, str], name: str, make_stub: Any, method: str, request: Any) -> Any:
+    """``name``'s reply to ``method``; None when it is not in ``addresses`` or does not answer (then
+    it is listed as unreachable)."""
+    if name not in addresses:
+        return None
+    with grpc.insecure_channel(addresses[name]) as channel:
         try:
             return getattr(make_stub(channel), method)(request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError:
+            snap.unreachable.append(name)
             return None
 
 
 def gather(addresses: dict[str, str], redis_url: str, run_id: str, run_dir: Path, max_steps: int) -> Snapshot:
     """Asks every service at ``addresses`` (keys: router, learner, agent_pool, broadcaster) and the queue."""
     snap = Snapshot(max_steps=max_steps)
-    if "learner" in addresses:
-        reply = _call(
-            addresses["learner"],
-            learner_pb2_grpc.LearnerServiceStub,
-            "GetLearnerStatus",
-            learner_pb2.GetLearnerStatusRequest(),
-        )
-        if reply is None:
-            snap.unreachable.append("learner")
-        else:
-            metrics = dict(reply.last_step_metrics)
-            snap.step, snap.learner_version = int(reply.step), int(reply.policy_version)
-            snap.reward = metrics.get("reward/mean")
-            snap.tokens_per_s = metrics.get("tokens_per_s")
-            snap.staleness = metrics.get("staleness/mean")
-            if reply.HasField("last_step_time"):
-                snap.learner_idle_s = max(0.0, time.time() - reply.last_step_time.ToDatetime().timestamp())
-    if "router" in addresses:
-        reply = _call(
-            addresses["router"],
-            rollout_pb2_grpc.RolloutServiceStub,
-            "GetRouterStatus",
-            rollout_pb2.GetRouterStatusRequest(),
-        )
-        if reply is None:
-            snap.unreachable.append("router")
-        else:
-            snap.router_version, snap.in_flight, snap.paused = (
-                int(reply.policy_version),
-                int(reply.in_flight_request_count),
-                bool(reply.paused),
-            )
-            snap.engines_healthy = f"{sum(e.healthy for e in reply.engines)}/{len(reply.engines)}"
-    if "agent_pool" in addresses:
-        reply = _call(
-            addresses["agent_pool"],
-            agent_pool_pb2_grpc.AgentPoolServiceStub,
-            "GetAgentPoolStatus",
-            agent_pool_pb2.GetAgentPoolStatusRequest(),
-        )
-        if reply is None:
-            snap.unreachable.append("agent_pool")
-        else:
-            snap.episodes = int(reply.completed_episode_count)
-            snap.failed_episodes = int(sum(reply.failed_episode_counts.values()))
-    if "broadcaster" in addresses:
-        reply = _call(
-            addresses["broadcaster"],
-            weights_pb2_grpc.WeightServiceStub,
-            "GetPolicyVersion",
-            weights_pb2.GetPolicyVersionRequest(),
-        )
-        if reply is None:
-            snap.unreachable.append("broadcaster")
-        else:
-            snap.broadcaster_version = int(reply.policy_version.version)
+    learner = learner_pb2.GetLearnerStatusRequest()
+    reply = _ask(snap, addresses, "learner", learner_pb2_grpc.LearnerServiceStub, "GetLearnerStatus", learner)
+    if reply is not None:
+        metrics = dict(reply.last_step_metrics)
+        snap.step, snap.learner_version = int(reply.step), int(reply.policy_version)
+        snap.reward = metrics.get("reward/mean")
+        snap.tokens_per_s = metrics.get("tokens_per_s")
+        snap.staleness = metrics.get("staleness/mean")
+        if reply.HasField("last_step_time"):
+            snap.learner_idle_s = max(0.0, time.time() - reply.last_step_time.ToDatetime().timestamp())
+    router = rollout_pb2.GetRouterStatusRequest()
+    reply = _ask(snap, addresses, "router", rollout_pb2_grpc.RolloutServiceStub, "GetRouterStatus", router)
+    if reply is not None:
+        snap.router_version = int(reply.policy_version)
+        snap.in_flight = int(reply.in_flight_request_count)
+        snap.paused = bool(reply.paused)
+        snap.engines_healthy = f"{sum(e.healthy for e in reply.engines)}/{len(reply.engines)}"
+    pool = agent_pool_pb2.GetAgentPoolStatusRequest()
+    reply = _ask(snap, addresses, "agent_pool", agent_pool_pb2_grpc.AgentPoolServiceStub, "GetAgentPoolStatus", pool)
+    if reply is not None:
+        snap.episodes = int(reply.completed_episode_count)
+        snap.failed_episodes = int(sum(reply.failed_episode_counts.values()))
+    version = weights_pb2.GetPolicyVersionRequest()
+    reply = _ask(snap, addresses, "broadcaster", weights_pb2_grpc.WeightServiceStub, "GetPolicyVersion", version)
+    if reply is not None:
+        snap.broadcaster_version = int(reply.policy_version.version)
     _queue_stats(snap, redis_url, run_id)
     evals = read_evals(run_dir / "eval.jsonl")
     snap.last_eval = evals[-1] if evals else None
