@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from molt.core.config import RunSettings
-from molt.core.processes import ChildProcess, ensure_ray_auth_token, log_tail
+from molt.core.processes import start_ray_head
 from molt.core.testing import RedisServer, ServiceProcess, free_port
 from molt.core.tiny_model import build
 from molt.learner.config import LearnerSettings
@@ -41,31 +41,10 @@ PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head of its own (``ray start --block``: stopping its session stops the cluster)."""
-    port = free_port()
     ray_cli = str(Path(sys.executable).parent / "ray")
-    ensure_ray_auth_token(ray_cli)
-    head = ChildProcess(
-        [
-            ray_cli,
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=4",
-            "--disable-usage-stats",
-            "--include-dashboard=false",
-        ],
-        tmp_path_factory.mktemp("ray") / "ray.log",
-        env=RAY_ENV,
-    )
-    process = head.spawn()
-    deadline = time.monotonic() + 300
-    while "Ray runtime started" not in head.log_path.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            head.stop(timeout_s=10)
-            pytest.fail(f"ray head did not start:\n{log_tail(head.log_path)}")
-        time.sleep(1)
-    yield f"127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("ray") / "ray.log"
+    head, address, _ = start_ray_head(ray_cli, log, num_cpus=4, env=RAY_ENV, timeout_s=300)
+    yield address
     head.stop(timeout_s=60)
 
 
@@ -102,12 +81,11 @@ ray_address = "{ray_head}"
 probe_tolerance = 1e-3
 refit_timeout_s = 300
 """)
-    env = RAY_ENV
     router = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],
         f"127.0.0.1:{router_port}",
         workdir / "router.log",
-        env=env,
+        env=RAY_ENV,
         service="molt.v1.RolloutService",
     )
     router.start(timeout_s=420)
@@ -115,7 +93,7 @@ refit_timeout_s = 300
         [sys.executable, "-m", "molt.broadcaster", "--config", str(recipe)],
         f"127.0.0.1:{broadcaster_port}",
         workdir / "broadcaster.log",
-        env=env,
+        env=RAY_ENV,
         service="molt.v1.WeightService",
     )
     broadcaster.start(timeout_s=120)

@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,6 +44,42 @@ def ensure_ray_auth_token(ray_cli: str) -> None:
     if Path(configured or Path.home() / ".ray" / "auth_token").expanduser().exists():
         return
     subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=120)
+
+
+def start_ray_head(
+    ray_cli: str,
+    log_path: Path,
+    *,
+    num_cpus: int,
+    num_gpus: int = 0,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> tuple[ChildProcess, str, Path]:
+    """A Ray head of its own (``ray start --head --block``: ending its session ends Ray) with a
+    private temp dir (so the ``ray_current_cluster`` of other Ray instances here is not touched) and
+    free ports for its side servers. Returns the head, its address and its temp dir; stops it and
+    raises ``RuntimeError`` when it does not come up (and stops it on any interruption)."""
+    ensure_ray_auth_token(ray_cli)
+    port = port or free_port()
+    temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-"))  # short: Ray's unix sockets live under it
+    args = [ray_cli, "start", "--head", "--block", "--port", str(port)]
+    args += ["--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus)]
+    args += ["--disable-usage-stats", "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
+    for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--metrics-export-port"):
+        args += [flag, str(free_port())]  # their defaults are fixed ports another Ray may hold
+    head = ChildProcess(args, log_path, env)
+    process = head.spawn()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (temp_dir / "ray_current_cluster").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not start; {log_path} ends with:\n{log_tail(log_path)}")
+            time.sleep(0.5)
+    except BaseException:
+        head.stop(timeout_s=10)
+        raise
+    return head, f"127.0.0.1:{port}", temp_dir
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -19,7 +19,6 @@ import logging
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import FrameType
@@ -29,8 +28,7 @@ from molt.core.errors import ConfigError
 from molt.core.processes import (
     ChildProcess,
     RedisServer,
-    ensure_ray_auth_token,
-    free_port,
+    start_ray_head,
     start_ticks,
     wait_serving,
 )
@@ -163,30 +161,19 @@ class Launch:
         self.state.save()
 
     def _start_ray_head(self) -> str:
-        """A local Ray head in its own session (``ray start --block``: ending its session ends Ray,
-        and no other Ray instance on this machine is touched); returns its address."""
-        port = self.recipe.launcher.ray_port or free_port()
-        # Short and private: Ray's unix sockets live under it (path length limit), and a temp dir
-        # of its own keeps `ray_current_cluster` of other Ray instances on this machine apart.
-        temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-"))
+        """A local Ray head (``molt.core.processes.start_ray_head``); returns its address."""
         engine_gpus = self.plan.gpus("router", 0)
-        args = [script("ray"), "start", "--head", "--block", "--port", str(port)]
-        args += ["--num-cpus", str(self.plan.cpus_per_node), "--num-gpus", str(len(engine_gpus))]
-        args += ["--disable-usage-stats", "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
-        for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--metrics-export-port"):
-            args += [flag, str(free_port())]  # their defaults are fixed ports another Ray may hold
-        ensure_ray_auth_token(args[0])
-        head = ChildProcess(args, self.run_dir / "logs" / "ray.log", self._env(engine_gpus))
+        head, address, temp_dir = start_ray_head(
+            script("ray"),
+            self.run_dir / "logs" / "ray.log",
+            num_cpus=self.plan.cpus_per_node,
+            num_gpus=len(engine_gpus),
+            port=self.recipe.launcher.ray_port,
+            env=self._env(engine_gpus),
+        )
         self.children["ray"] = head
-        process = head.spawn()
         self._record("ray", head)
         self.state.ray_temp_dir = str(temp_dir)
-        deadline = time.monotonic() + 120
-        while not (temp_dir / "ray_current_cluster").exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray head did not start; see {head.log_path}")
-            time.sleep(0.5)
-        address = f"127.0.0.1:{port}"
         self.say(f"molt: Ray head at {address} (logs under {temp_dir})")
         return address
 
