@@ -41,7 +41,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
 from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
-from molt.core.weightsync import TensorMeta, check_manifest, manifest_to_json
+from molt.core.weightsync import TensorMeta, check_manifest, manifest_to_json, plan_buckets
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class Broadcaster:
             report = weights_pb2.RefitReport(
                 byte_count=sum(m.nbytes for m in metas),
                 tensor_count=len(metas),
-                bucket_count=len(_buckets(metas, self._bucket_bytes(request))),
+                bucket_count=len(plan_buckets(metas, self._bucket_bytes(request))),
                 coverage_ok=all(r["coverage_ok"] for r in reports),
                 checksums_ok=all(r["checksums_ok"] for r in reports),
                 transfer_duration=duration_of(max(r["receive_s"] for r in reports)),
@@ -368,9 +368,3 @@ class Broadcaster:
         if version is not None:
             request.policy_version = version
         await self.router.ResumeGeneration(request, timeout=60)
-
-
-def _buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
-    from molt.core.weightsync import plan_buckets
-
-    return plan_buckets(metas, bucket_bytes)
