@@ -1,7 +1,9 @@
 """Arithmetic: the default recipe's Env. Exact grader, single turn, small enough for the tiny model.
 
-Prompts (``recipes/data/arithmetic-*.jsonl``) hold a question like ``"7+5"`` and
-its answer; the train and test files hold disjoint problems. The reply earns
+Prompts (``recipes/data/arithmetic-*.jsonl``) hold a question like ``"37+5"`` (a number
+below 100 plus a digit) and its answer; the train and test files hold disjoint problems.
+The task has structure a tiny model can learn (digit-wise addition with a carry), so what is
+learned on the training problems can carry over to the held-out ones. The reply earns
 1.0 when it is exactly the answer (whitespace around it ignored), else 0.0. Regenerate the data with
 ``uv run python recipes/agents/arithmetic.py --out recipes/data``.
 """
@@ -31,13 +33,12 @@ class ArithmeticEnv(Env):
         return StepResult(reward=float(action.strip() == self.answer), done=True)
 
 
-def problems(max_operand: int = 9) -> list[tuple[str, int]]:
-    """Every addition and non-negative subtraction of operands in [0, max_operand]."""
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    return [(f"{a}+{b}", a + b) for a, b in pairs] + [(f"{a}-{b}", a - b) for a, b in pairs if a >= b]
+def problems(max_first: int = 99, max_second: int = 9) -> list[tuple[str, int]]:
+    """Every sum ``a+b`` with ``a`` in [0, max_first] and ``b`` in [0, max_second] (1000 by default)."""
+    return [(f"{a}+{b}", a + b) for a in range(max_first + 1) for b in range(max_second + 1)]
 
 
-def split(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+def split(seed: int = 0, test_fraction: float = 0.1) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """Disjoint train / held-out problem sets."""
     shuffled = problems()
     random.Random(seed).shuffle(shuffled)

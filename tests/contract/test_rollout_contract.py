@@ -46,10 +46,16 @@ def stream_request(request_id: str, prompt: list[int] = PROMPT, **sampling: Any)
     )
 
 
-async def collect(stub: rollout_pb2_grpc.RolloutServiceStub, req: rollout_pb2.GenerateStreamRequest) -> dict[str, Any]:
-    """Concatenates a stream's chunks of sample 0."""
+async def collect(
+    stub: rollout_pb2_grpc.RolloutServiceStub,
+    req: rollout_pb2.GenerateStreamRequest,
+    started: asyncio.Event | None = None,
+) -> dict[str, Any]:
+    """Concatenates a stream's chunks of sample 0; sets ``started`` at the first chunk."""
     out: dict[str, Any] = {"token_ids": [], "logprobs": [], "policy_versions": [], "finish": [], "chunks": 0}
     async for chunk in stub.GenerateStream(req, timeout=300):
+        if started is not None:
+            started.set()
         out["chunks"] += 1
         out["token_ids"] += chunk.token_ids
         out["logprobs"] += chunk.logprobs
@@ -184,9 +190,12 @@ def test_pause_keep_then_resume_completes_every_request(router: Any, reference: 
     async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[list[dict[str, Any]], Any, Any, Any]:
         before = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
         version = before.policy_version + 1
-        requests = [stream_request(f"keep-{i}", max_tokens=200, seed=100 + i) for i in range(8)]
-        tasks = [asyncio.create_task(collect(stub, r)) for r in requests]
-        await asyncio.sleep(0.5)
+        # Long requests, paused as soon as every one has streamed its first chunk: on a fast idle
+        # machine a fixed sleep let them all finish before the pause, and nothing was suspended.
+        requests = [stream_request(f"keep-{i}", max_tokens=before.max_tokens_cap, seed=100 + i) for i in range(8)]
+        started = [asyncio.Event() for _ in requests]
+        tasks = [asyncio.create_task(collect(stub, r, e)) for r, e in zip(requests, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
         paused = await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
         late = asyncio.create_task(collect(stub, stream_request("keep-late", max_tokens=8, seed=9)))
         await asyncio.sleep(1.0)

@@ -204,6 +204,33 @@ class ToolLoop(Env):
         return StepResult(observation=[{"role": "tool", "content": f"result {self.turns}"}], reward=0.25)
 
 
+class ShortLaterTurns(ToolLoop):
+    """ToolLoop whose turns after the first get a 2-token budget through ``Env.max_tokens``."""
+
+    max_tokens = 10_000  # above the pool's max_tokens: the pool's cap applies to the first turn
+
+    def step(self, action: str) -> StepResult:
+        self.max_tokens = 2
+        return super().step(action)
+
+
+def test_env_max_tokens_caps_its_turns_under_the_pools_cap(
+    tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    cfg = settings(tmp_path, router, redis_server.url, group_size=2, max_tokens=12)
+    pool = run_pool(cfg, ShortLaterTurns, router, redis_client, groups=1)
+    assert pool.stats.queued_groups == 1
+    (entry,) = TrajectoryQueue(redis_client, RUN, consumer="check").read(count=10)
+    first_turns = []
+    for trajectory in entry.group.trajectories:
+        mask = list(trajectory.loss_mask)
+        sampled = [len(list(run)) for value, run in itertools.groupby(mask) if value]
+        assert len(sampled) == 3
+        first_turns.append(sampled[0])
+        assert sampled[0] <= 12 and sampled[1] <= 2 and sampled[2] <= 2
+    assert max(first_turns) > 2  # the random model rarely stops early: the first turn used the pool's cap
+
+
 class Raises(Env):
     def reset(self, prompt: Prompt) -> list[Message]:
         return [{"role": "user", "content": "x"}]

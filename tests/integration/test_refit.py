@@ -207,3 +207,33 @@ def test_refused_refit_keeps_the_old_weights_serving(stack: dict[str, Any]) -> N
     response = publisher.publish(7, state_a, probe_a)
     assert response.policy_version.version == 7 and response.report.probe_max_abs_logprob_diff < 1e-3
     publisher.close()
+
+
+def router_paused(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30).paused
+
+
+def test_failed_probe_keeps_the_router_paused_until_a_refit_validates(stack: dict[str, Any]) -> None:
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    # The fault: a learner whose probe logprobs disagree with what the loaded weights compute.
+    with pytest.raises(grpc.RpcError) as failed:
+        publisher.publish(8, state_b, [value - 1.0 for value in probe_b])
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "probe" in failed.value.details()
+    assert router_paused(stack["router"])
+
+    # A refused refit cannot resume: the weights that served before the failure are gone.
+    missing = {k: v for k, v in state_b.items() if k != "model.norm.weight"}
+    with pytest.raises(grpc.RpcError) as refused:
+        publisher.publish(9, missing, probe_b)
+    assert "stay paused" in refused.value.details()
+    assert router_paused(stack["router"])
+
+    # A complete refit that validates rewrites every weight: the router serves again, at its version.
+    response = publisher.publish(10, state_b, probe_b)
+    assert response.policy_version.version == 10 and response.report.probe_max_abs_logprob_diff < 1e-3
+    assert not router_paused(stack["router"])
+    assert set(asyncio.run(sample(stack["router"], seed=5)).policy_versions) == {10}
+    publisher.close()

@@ -6,6 +6,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from molt.learner.batch import StepBatch, assemble, build_group
@@ -24,10 +25,16 @@ def batch(name: str, rewards: list[float]) -> StepBatch:
     return assemble(outcome.samples)
 
 
-def test_resume_continues_exactly(learner_settings: SettingsFactory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_resume_continues_exactly(learner_settings: SettingsFactory, tmp_path: Path, estimator: str) -> None:
     """Two steps straight == one step, save, fresh objects, load, one step: bit-identical parameters,
-    optimizer moments and learning rate (warm-up makes the LR differ per step, so the schedule is checked)."""
-    settings = learner_settings(optimizer={"lr": 1e-3, "warmup_steps": 3, "total_steps": 10})
+    optimizer moments and learning rate (warm-up makes the LR differ per step, so the schedule is checked);
+    with gae the critic too."""
+    settings = learner_settings(
+        optimizer={"lr": 1e-3, "warmup_steps": 3, "total_steps": 10},
+        algorithm={"estimator": estimator},
+        critic={"lr": 1e-3},
+    )
     first, second = batch("one", [1.0, 0.0, 0.5, 0.0]), batch("two", [0.0, 1.0, 1.0, 0.0])
 
     straight = Trainer(settings)
@@ -53,6 +60,13 @@ def test_resume_continues_exactly(learner_settings: SettingsFactory, tmp_path: P
     for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         sa, sb = straight.optimizer.state[a], resumed.optimizer.state[b]
         assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) and torch.equal(sa["step"], sb["step"])
+    if estimator == "gae":
+        assert straight.critic is not None and resumed.critic is not None
+        for (name, a), (_, b) in zip(
+            straight.critic.named_parameters(), resumed.critic.named_parameters(), strict=True
+        ):
+            assert torch.equal(a, b), name
+        assert straight.critic_scheduler.get_last_lr() == resumed.critic_scheduler.get_last_lr()
 
 
 def test_only_complete_checkpoints_count_and_old_ones_are_pruned(

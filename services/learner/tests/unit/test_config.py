@@ -37,7 +37,8 @@ def test_defaults_are_sound() -> None:
         ({"group_size": 1, "algorithm": {"estimator": "rloo"}}, "estimator 'rloo'"),
         ({"rollout": {"top_p": 0.9}}, "top_p = 0.9 with IS correction"),
         ({"rollout": {"top_k": 20}}, "top_k = 20 with IS correction"),
-        ({"algorithm": {"estimator": "gae"}}, "'gae' is not supported"),
+        ({"algorithm": {"estimator": "on_policy_distill"}}, "needs algorithm.teacher_path"),
+        ({"algorithm": {"teacher_path": "teacher"}}, "teacher_path is only used by on_policy_distill"),
         ({"mode": "sft"}, "needs an \\[learner.sft\\] table"),
     ],
 )
@@ -50,6 +51,8 @@ def test_on_policy_without_is_and_a_single_sample_reinforce_are_sound() -> None:
     on_policy = settings(max_staleness=0, algorithm={"importance_sampling": {"level": "off"}})
     assert unsound_settings(on_policy) == []
     assert unsound_settings(settings(group_size=1, algorithm={"estimator": "reinforce"})) == []
+    distill = {"estimator": "on_policy_distill", "teacher_path": "teacher"}
+    assert unsound_settings(settings(group_size=1, algorithm=distill)) == []
     assert (
         unsound_settings(
             settings(rollout={"top_p": 0.9}, max_staleness=0, algorithm={"importance_sampling": {"level": "off"}})

@@ -57,6 +57,8 @@ def test_sft_warm_up_lowers_the_nll_and_saves_a_loadable_model(
     history = read_history(settings.run.run_dir / "sft" / "metrics.jsonl")
     assert sorted(history) == list(range(1, 9))
     assert history[8]["loss/nll"] < history[1]["loss/nll"] - 0.5
+    # The cosine spans the warm-up's own 8 steps (not RL's total_steps): nearly decayed at the last one.
+    assert history[8]["lr"] < 0.1 * history[1]["lr"]
     tuned = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert not torch.equal(tuned.model.embed_tokens.weight, initial.model.embed_tokens.weight)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from molt.core.tiny_model import build
 from molt.learner.batch import StepBatch, assemble, build_group, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.logprobs import token_logprobs
-from molt.learner.objective import step_advantages
+from molt.learner.objective import gae_targets, step_advantages
 from molt.learner.packing import pack
 from molt.learner.synthetic import named_group
 from molt.learner.trainer import Trainer, lr_factor
@@ -105,6 +108,66 @@ def test_kl_and_entropy_terms(learner_settings: SettingsFactory) -> None:
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)
     assert second["kl"] > 1e-6
     assert 0 < second["entropy"] <= torch.log(torch.tensor(320.0)).item()
+
+
+def test_on_policy_distill_moves_the_policy_toward_the_teacher(
+    learner_settings: SettingsFactory, tmp_path: Path
+) -> None:
+    """The teacher is another random tiny model (seed 1). On-policy samples (rollout logprobs = the
+    student's): tokens the teacher likes more than the student gain probability, the others lose it,
+    and the student's logprobs on the batch get closer to the teacher's."""
+    teacher_path = build(tmp_path / "teacher", seed=1)
+    distill = {"estimator": "on_policy_distill", "teacher_path": teacher_path}
+    # A small rate: the batch is not resampled, so its advantages stay those of the first student.
+    trainer = Trainer(learner_settings(group_size=1, algorithm=distill, optimizer={"lr": 1e-5}))
+    assert trainer.teacher is not None and not any(p.requires_grad for p in trainer.teacher.parameters())
+    batch = fixed_batch()
+    mask = padded([s.loss_mask for s in batch.samples])
+    student = logprobs_of(trainer, batch)
+    on_policy = [
+        replace(s, rollout_logprobs=student[i, : s.loss_mask.numel()] * s.loss_mask)
+        for i, s in enumerate(batch.samples)
+    ]
+    batch = assemble(on_policy)
+    with torch.no_grad():
+        ids = pack([s.input_ids for s in batch.samples])
+        teacher, _ = token_logprobs(trainer.teacher, ids, len(batch.samples), 1.0)
+    gap = (student - teacher)[mask]
+    metrics = trainer.train_step(batch)
+    assert metrics["distill/reverse_kl"] == pytest.approx(float(gap.mean()), abs=1e-4)
+    assert metrics["advantage/mean"] == pytest.approx(-float(gap.mean()), abs=1e-4)
+    trainer.train_step(batch)
+    after = logprobs_of(trainer, batch)
+    moved = (after - student)[mask]
+    assert float((-gap * moved).sum()) > 0  # the update follows the per-token advantage -(student - teacher)
+    assert float(((after - teacher)[mask] ** 2).mean()) < float((gap**2).mean())
+
+
+def test_gae_trains_a_critic_toward_the_returns(learner_settings: SettingsFactory) -> None:
+    """With a zero-initialised value head the first step's values are 0, so its advantages are the
+    whitened discounted rewards; the critic's value error then falls step after step while the policy
+    trains on the GAE advantages."""
+    algorithm = {"estimator": "gae", "gae_gamma": 1.0, "gae_lambda": 0.9}
+    trainer = Trainer(learner_settings(algorithm=algorithm, critic={"lr": 1e-3}))
+    assert trainer.critic is not None
+    batch = fixed_batch()
+    mask = padded([s.loss_mask for s in batch.samples])
+    values = trainer._values(batch.samples)
+    assert torch.equal(values, torch.zeros_like(values))
+    advantages, returns = gae_targets(batch, trainer.settings.algorithm, values)
+    # V = 0: A_t = lambda^(steps to the last loss token) * reward, then whitened; returns = raw A + V.
+    last = [int(m.nonzero().max()) for m in mask]
+    raw = torch.zeros(mask.shape, dtype=torch.float64)
+    for row, end in enumerate(last):
+        for t in mask[row].nonzero().flatten().tolist():
+            raw[row, t] = 0.9 ** int(mask[row, t:end].sum()) * batch.rewards[row].double()
+    torch.testing.assert_close(returns.double(), raw, rtol=1e-5, atol=1e-6)
+    mean, std = raw[mask].mean(), raw[mask].std(unbiased=False)
+    torch.testing.assert_close(advantages.double()[mask], (raw[mask] - mean) / std, rtol=1e-4, atol=1e-5)
+
+    errors = [trainer.train_step(batch)["critic/value_error"] for _ in range(5)]
+    assert all(later < earlier for earlier, later in itertools.pairwise(errors)), errors
+    assert not torch.equal(trainer._values(batch.samples), values)
 
 
 def test_lr_warms_up_then_decays_on_a_cosine() -> None:

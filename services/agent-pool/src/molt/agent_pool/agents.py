@@ -63,11 +63,14 @@ class AgentResult:
 class Env(ABC):
     """An environment molt drives: the model's text goes in, observations and rewards come out.
 
-    Class attributes: ``tools`` (OpenAI tool schemas rendered into the prompt), ``max_turns``.
+    Class attributes: ``tools`` (OpenAI tool schemas rendered into the prompt), ``max_turns``,
+    ``max_tokens`` (sampled tokens per turn; ``None``: the pool's ``max_tokens``; an Env may set it
+    per episode in ``reset``, and it never exceeds the pool's).
     """
 
     tools: list[dict[str, Any]] | None = None
     max_turns: int = 8
+    max_tokens: int | None = None
 
     @abstractmethod
     def reset(self, prompt: Prompt) -> list[Message] | Awaitable[list[Message]]:

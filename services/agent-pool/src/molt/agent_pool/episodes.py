@@ -50,7 +50,8 @@ async def run_env_episode(
     reward, finish = 0.0, "length"
     for turn in range(env.max_turns):
         plan = transcript.plan(messages, env.tools)
-        budget = min(limits.max_tokens, limits.max_model_len - len(plan.prompt_ids))
+        cap = limits.max_tokens if env.max_tokens is None else min(env.max_tokens, limits.max_tokens)
+        budget = min(cap, limits.max_model_len - len(plan.prompt_ids))
         if budget < 1:
             break  # the conversation filled the context: the episode ends as truncated
         request = GenerationRequest(f"{rollout_id}-{turn}", rollout_id, plan.prompt_ids, max_tokens=budget)

@@ -181,11 +181,13 @@ def padded(rows: Sequence[Tensor], width: int | None = None) -> Tensor:
 
 
 def batch_stats(batch: StepBatch, current_version: int) -> dict[str, float]:
-    """Reward statistics per episode (an episode's segments count once) and staleness per loss token."""
+    """Reward statistics per episode (an episode's segments count once), staleness per loss token and
+    response length (sampled tokens per sample)."""
     _, first = torch.unique(batch.rollout_ids, return_inverse=True)
     episodes = int(first.max()) + 1
     rewards = torch.zeros(episodes, dtype=torch.float64).scatter_(0, first, batch.rewards.double())
     age = torch.cat([current_version - s.policy_versions[s.loss_mask] for s in batch.samples]).double()
+    lengths = torch.tensor([s.loss_tokens for s in batch.samples], dtype=torch.float64)
     return {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
@@ -194,4 +196,6 @@ def batch_stats(batch: StepBatch, current_version: int) -> dict[str, float]:
         "groups": float(int(batch.group_ids.max()) + 1),
         "staleness/mean": float(age.mean()),
         "staleness/max": float(age.max()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
     }

@@ -3,9 +3,9 @@ half checkpoint that could be loaded.
 
 Layout under ``<run_dir>/checkpoints``: ``step-00000010/`` holding ``model.pt`` and
 ``optimizer.pt`` (full, unsharded state dicts), ``extra_state.pt`` (scheduler and RNG
-states) and ``state.json`` (step, policy version, consumed trajectory ids with the
-step that trained each, drop counts), plus ``latest``, a text file naming the
-newest directory.
+states; with ``gae`` also the critic, its optimizer and scheduler) and ``state.json``
+(step, policy version, consumed trajectory ids with the step that trained each, drop
+counts), plus ``latest``, a text file naming the newest directory.
 
 Write order: every file into ``.tmp-step-.../``, each fsynced, then the directory
 renamed to its final name (atomic), the parent fsynced, then ``latest`` replaced
@@ -120,6 +120,12 @@ class Checkpoints:
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
             }
+            if trainer.critic is not None:  # replicated on every rank: rank 0's copy is the whole state
+                extra["critic"] = {
+                    "model": trainer.critic.state_dict(),
+                    "optimizer": trainer.critic_optimizer.state_dict(),
+                    "scheduler": trainer.critic_scheduler.state_dict(),
+                }
             tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             torch.save(model_state, tmp / "model.pt")
@@ -164,6 +170,12 @@ class Checkpoints:
         )
         extra = torch.load(path / "extra_state.pt", map_location="cpu", weights_only=True)
         trainer.scheduler.load_state_dict(extra["scheduler"])
+        if trainer.critic is not None:
+            if "critic" not in extra:
+                raise FileNotFoundError(f"{path} holds no critic; it was not written by a gae run")
+            trainer.critic.load_state_dict(extra["critic"]["model"])
+            trainer.critic_optimizer.load_state_dict(extra["critic"]["optimizer"])
+            trainer.critic_scheduler.load_state_dict(extra["critic"]["scheduler"])
         torch.set_rng_state(extra["torch_rng"])
         random.setstate(extra["python_rng"])
         state = RunState.from_json((path / "state.json").read_text())

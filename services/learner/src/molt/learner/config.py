@@ -17,8 +17,6 @@ from molt.core.config import ServiceSettings
 from molt.core.errors import ConfigError
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
-# Estimators the learner runs; gae needs a critic and on_policy_distill a teacher, neither exists yet.
-SUPPORTED_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce")
 
 
 class OptimizerSettings(BaseModel):
@@ -53,8 +51,14 @@ class AlgorithmSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     estimator: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"] = (
-        Field("grpo", description="Advantage estimator (gae and on_policy_distill are refused at start-up).")
+        Field("grpo", description="Advantage estimator; gae trains a critic ([learner.critic]).")
     )
+    gae_gamma: float = Field(1.0, ge=0, le=1, description="gae: discount per loss token.")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="gae: lambda of the advantage estimate.")
+    teacher_path: Path | None = Field(
+        None, description="on_policy_distill: the frozen teacher (same vocabulary as the policy), a local model dir."
+    )
+    distill_coef: float = Field(1.0, gt=0, description="on_policy_distill: scale of the per-token reverse-KL signal.")
     loss: Literal["ppo", "gspo", "cispo"] = Field("ppo", description="Policy-loss surrogate.")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "prompt_mean_token_mean"] = Field(
         "token_mean", description="How per-token losses are reduced over one optimizer step."
@@ -101,6 +105,17 @@ class SFTSettings(BaseModel):
     )
 
 
+class CriticSettings(BaseModel):
+    """The value model of ``gae``: a transformer body with a scalar head, trained beside the policy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: Path | None = Field(None, description="Body weights; unset = the policy's model_path.")
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (same warm-up and cosine as the policy's).")
+    value_clip: float = Field(0.2, ge=0, description="Clip of the value update around the old values.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip of the critic.")
+
+
 class LearnerSettings(ServiceSettings):
     """molt-learner: trains the policy on trajectory groups from the queue."""
 
@@ -139,11 +154,15 @@ class LearnerSettings(ServiceSettings):
     max_steps: int = Field(
         0, ge=0, description="Stop (with a checkpoint) after this many steps; 0 = run until stopped."
     )
+    cpu_threads: int = Field(
+        0, ge=0, description="torch threads per rank on a CPU-only machine; 0 = torch's default (every core)."
+    )
     poll_s: float = Field(1.0, gt=0, description="Longest wait of one queue read, seconds.")
     idle_warning_s: float = Field(120.0, gt=0, description="Warn when no trajectory arrived for this long, seconds.")
     status_every_s: float = Field(30.0, gt=0, description="Interval of the one-line status log, seconds.")
     plot_every: int = Field(10, ge=1, description="Steps between refreshes of <run_dir>/reward.png.")
     sft: SFTSettings | None = Field(None, description="Supervised fine-tuning data (mode = sft).")
+    critic: CriticSettings = Field(default_factory=CriticSettings, description="The value model (estimator gae).")
 
 
 def unsound_settings(settings: LearnerSettings) -> list[str]:
@@ -178,8 +197,10 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
             f"rollout.top_k = {settings.rollout.top_k} with IS correction: the engine renormalises over the "
             f"top k, so its logprobs are not the policy's; use top_k = -1"
         )
-    if algo.estimator not in SUPPORTED_ESTIMATORS:
-        problems.append(f"estimator {algo.estimator!r} is not supported by this learner (needs a critic or teacher)")
+    if algo.estimator == "on_policy_distill" and algo.teacher_path is None:
+        problems.append("estimator 'on_policy_distill' needs algorithm.teacher_path (the frozen teacher model)")
+    if algo.teacher_path is not None and algo.estimator != "on_policy_distill":
+        problems.append(f"algorithm.teacher_path is only used by on_policy_distill, not {algo.estimator!r}")
     if algo.loss == "gspo" and algo.dual_clip is not None:
         problems.append("dual_clip is defined for token ratios only; gspo takes none")
     if settings.backend == "automodel":

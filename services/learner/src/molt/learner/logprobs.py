@@ -1,4 +1,5 @@
-"""The policy forward: per-token logprobs (and entropy) of a packed micro-batch, on the ``[B, T]`` grid.
+"""The forwards: per-token logprobs (and entropy) of a packed micro-batch, and the critic's values, on the
+``[B, T]`` grid.
 
 The engine reports logprobs *after temperature* (vLLM's processed logprobs), so
 the learner divides the logits by the rollout temperature before the softmax;
@@ -50,3 +51,11 @@ def token_logprobs(
     if entropy:
         entropies = _grid(entropy_from_logits(scaled if entropy_grad else scaled.detach()), packed, rows)
     return _grid(logprobs, packed, rows), entropies
+
+
+def token_values(critic: nn.Module, packed: Packed, rows: int) -> Tensor:
+    """The critic's value of each next-token position, ``[rows, T]`` float32 (``V[b, k]``: the state in
+    which token k + 1 is sampled, in line with the logprobs and the loss mask). Gradients flow."""
+    device = next(critic.parameters()).device
+    values = critic(packed.input_ids.to(device), packed.position_ids.to(device))
+    return _grid(values[0, packed.predict_at.to(device)].float(), packed, rows)

@@ -5,7 +5,10 @@ the learner applies them:
 
 1. ``step_advantages``: rewards clipped, then the configured estimator over the
    whole step (group estimators merge segments by rollout id), broadcast to the
-   loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``.
+   loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``. Except
+   ``on_policy_distill``: its per-token signal needs no step-wide statistic, so
+   ``distill_advantages`` computes it per micro-batch from the teacher's logprobs;
+   and ``gae``, which needs the critic's values of the whole step (``gae_targets``).
 2. ``micro_loss``: per token ``policy_loss * is_weight (+ kl_coef * kl) (- entropy_coef * H)``,
    reduced with the step-wide row weights (``aggregation.row_weights``), so the
    micro-batch losses of all ranks add up to the step's loss with no division by
@@ -57,6 +60,30 @@ def step_advantages(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
     if algo.estimator in WHITENED:
         advantages = estimators.whiten(advantages, mask)
     return advantages
+
+
+def gae_targets(batch: StepBatch, algo: AlgorithmSettings, values: Tensor) -> tuple[Tensor, Tensor]:
+    """``gae`` for the whole step from the critic's values ``[S, >= T]`` at sampling time: the advantages
+    (whitened over the step's loss tokens, as for ``reinforce``) and the returns the critic regresses on.
+    The scalar reward sits on each sample's last loss token; a segment of a compacted episode is a
+    sample of its own, ending in the episode's reward."""
+    mask = padded([s.loss_mask for s in batch.samples])
+    rewards = estimators.clip_rewards(batch.rewards, -algo.reward_clip, algo.reward_clip)
+    advantages, returns = estimators.gae(
+        rewards, values[:, : mask.shape[1]], mask, gamma=algo.gae_gamma, lam=algo.gae_lambda
+    )
+    return estimators.whiten(advantages, mask), returns
+
+
+def distill_advantages(
+    rollout_logprobs: Tensor, teacher_logprobs: Tensor, loss_mask: Tensor, algo: AlgorithmSettings
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One micro-batch's ``on_policy_distill`` advantages ``-coef * (log pi_rollout - log pi_teacher)``
+    (the sampling policy's logprobs are the student's, as the estimator defines) and the k1 estimate of
+    the reverse KL(student || teacher) over its loss tokens."""
+    advantages = estimators.on_policy_distill(rollout_logprobs, teacher_logprobs, loss_mask, coef=algo.distill_coef)
+    reverse_kl = masked_mean((rollout_logprobs - teacher_logprobs).detach(), loss_mask)
+    return advantages, {"distill/reverse_kl": reverse_kl.to(torch.float64)}
 
 
 def step_row_weights(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:

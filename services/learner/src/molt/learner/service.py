@@ -17,6 +17,7 @@ import os
 import signal
 
 import redis
+import torch
 import torch.multiprocessing as mp
 
 from molt.core.log import setup_logging
@@ -67,6 +68,9 @@ def _spawned_rank(rank: int, world: int, settings: LearnerSettings, port: int) -
 def run_rank(rank: int, world: int, settings: LearnerSettings, port: int, on_step: OnStep | None) -> None:
     """One rank's life: join the group, build, resume, then lead (rank 0) or follow."""
     info = RankInfo(rank, world)
+    if settings.cpu_threads and not torch.cuda.is_available():
+        # Beside an engine on the same few cores, torch's default (one thread per core) oversubscribes them.
+        torch.set_num_threads(settings.cpu_threads)
     init_group(info, port)
     try:
         trainer = Trainer(settings, info)

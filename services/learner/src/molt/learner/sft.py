@@ -104,8 +104,11 @@ def run_sft(settings: LearnerSettings) -> Path:
             samples.append(sample)
     if not samples:
         raise InvalidInput(f"{sft.data_path} has no assistant tokens to train on")
-    if sft.lr is not None:  # supervised warm-up and RL usually want different rates
-        settings = settings.model_copy(update={"optimizer": settings.optimizer.model_copy(update={"lr": sft.lr})})
+    # The schedule spans the warm-up's own steps (RL's total_steps would cut or stretch its decay), and
+    # supervised warm-up and RL usually want different peak rates.
+    steps = sft.epochs * -(-len(samples) // sft.samples_per_step)
+    optimizer = {"total_steps": steps} | ({} if sft.lr is None else {"lr": sft.lr})
+    settings = settings.model_copy(update={"optimizer": settings.optimizer.model_copy(update=optimizer)})
     trainer = Trainer(settings)
     metrics = MetricsLog(settings.run.run_dir / "sft", plot_every=settings.plot_every)
     order = random.Random(settings.seed)

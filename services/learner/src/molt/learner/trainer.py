@@ -1,4 +1,4 @@
-"""The trainable policy and one optimizer step: model, optional frozen reference, AdamW, LR schedule.
+"""The trainable policy and one optimizer step: model, optional frozen reference and teacher, AdamW, LR schedule.
 
 ``Trainer.train_step(batch)`` runs the RL step on the global batch (every rank
 gets the same ``StepBatch`` and trains its share from ``packing.plan``):
@@ -6,7 +6,7 @@ advantages and aggregation weights over the whole step, then per packed
 micro-batch a forward, the loss of ``objective.micro_loss`` and a backward
 (gradients accumulate), then grad-norm clipping, AdamW and the scheduler.
 With more than one rank the model is sharded with FSDP2 (``fully_shard`` per
-decoder layer, then the root); the reference model is a full frozen copy per rank.
+decoder layer, then the root); the reference and teacher models are full frozen copies per rank.
 
 The weights after step ``s`` are policy version ``s``: the weight-broadcaster
 publishes them through the loop's ``on_step`` hook after every step.
@@ -21,16 +21,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from molt.algos.aggregation import masked_mean, token_mean
+from molt.algos.losses import value_loss
+from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
-from molt.learner.logprobs import token_logprobs
-from molt.learner.objective import MicroInputs, micro_loss, step_advantages, step_row_weights
+from molt.learner.critic import Critic
+from molt.learner.logprobs import token_logprobs, token_values
+from molt.learner.objective import (
+    MicroInputs,
+    distill_advantages,
+    gae_targets,
+    micro_loss,
+    step_advantages,
+    step_row_weights,
+)
 from molt.learner.packing import pack, plan
 from molt.learner.ranks import SINGLE, RankInfo, device_for
 
@@ -82,6 +92,13 @@ class Trainer:
             shard(self.model, rank.world_size, self.device)
         needs_reference = settings.algorithm.kl_coef > 0
         self.reference = load_policy(settings.model_path, self.device, trainable=False) if needs_reference else None
+        teacher = settings.algorithm.teacher_path
+        self.teacher = load_policy(teacher, self.device, trainable=False) if teacher is not None else None
+        if self.teacher is not None and int(self.teacher.config.vocab_size) != self.vocab_size:
+            raise ConfigError(
+                f"teacher {teacher} has vocab_size {self.teacher.config.vocab_size}, the policy "
+                f"{self.vocab_size}: on_policy_distill needs one vocabulary"
+            )
         opt = settings.optimizer
         # On CUDA the fused kernel updates every parameter in one pass; on CPU torch's default (for-loop).
         self.optimizer = torch.optim.AdamW(
@@ -93,6 +110,15 @@ class Trainer:
             fused=True if self.device.type == "cuda" else None,
         )
         self.scheduler = LambdaLR(self.optimizer, lambda step: lr_factor(step, opt))
+        self.critic: Critic | None = None
+        if settings.algorithm.estimator == "gae":
+            critic = settings.critic
+            body = load_policy(critic.model_path or settings.model_path, self.device, trainable=True)
+            self.critic = Critic.from_causal_lm(body)
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=critic.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+            )
+            self.critic_scheduler = LambdaLR(self.critic_optimizer, lambda step: lr_factor(step, opt))
         self.step = 0
 
     @property
@@ -104,37 +130,116 @@ class Trainer:
         started = time.monotonic()
         before = batch_stats(batch, self.policy_version)
         algo = self.settings.algorithm
-        advantages = step_advantages(batch, algo)
+        # on_policy_distill: advantages per micro-batch, from the teacher (nothing step-wide to compute first).
+        advantages: Tensor | None = None
+        if self.critic is not None:
+            old_values = self._values(batch.samples)
+            advantages, returns = gae_targets(batch, algo, old_values)
+        elif self.teacher is None:
+            advantages = step_advantages(batch, algo)
         weights = step_row_weights(batch, algo)
         samples = batch.samples
 
         def loss_of(rows: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
             width = logprobs.shape[1]
+            rollout = padded([samples[r].rollout_logprobs for r in rows], width).to(self.device)
+            mask = padded([samples[r].loss_mask for r in rows], width).to(self.device)
+            extra: dict[str, Tensor] = {}
+            if advantages is None:
+                teacher = self._frozen_logprobs(self.teacher, samples, rows)
+                assert teacher is not None
+                micro_advantages, extra = distill_advantages(rollout, teacher, mask, algo)
+                extra["advantage/mean"] = masked_mean(micro_advantages, mask).to(torch.float64)
+            else:
+                micro_advantages = advantages[rows, :width].to(self.device)
             inputs = MicroInputs(
                 logprobs=logprobs,
-                rollout_logprobs=padded([samples[r].rollout_logprobs for r in rows], width).to(self.device),
-                advantages=advantages[rows, :width].to(self.device),
-                loss_mask=padded([samples[r].loss_mask for r in rows], width).to(self.device),
+                rollout_logprobs=rollout,
+                advantages=micro_advantages,
+                loss_mask=mask,
                 weights=weights[rows].to(self.device),
                 entropy=entropy,
-                ref_logprobs=self._reference_logprobs(samples, rows),
+                ref_logprobs=self._frozen_logprobs(self.reference, samples, rows),
             )
-            return micro_loss(inputs, algo, float(self.rank.world_size))
+            loss, stats = micro_loss(inputs, algo, float(self.rank.world_size))
+            return loss, {**stats, **extra}
 
         objective, stats = self._accumulate(samples, loss_of, self.settings.rollout.temperature, entropy=True)
         metrics = {**before, **stats, "loss/objective": objective, **self._optimizer_step()}
-        metrics.update(advantage_stats(advantages, padded([s.loss_mask for s in samples])))
+        if advantages is not None:
+            metrics.update(advantage_stats(advantages, padded([s.loss_mask for s in samples])))
+        if self.critic is not None:
+            metrics.update(self._critic_step(samples, old_values, returns))
         elapsed = time.monotonic() - started
         tokens = sum(s.length for s in samples)
         metrics.update({"step_seconds": elapsed, "tokens": float(tokens), "tokens_per_s": tokens / elapsed})
         return metrics
 
-    def _reference_logprobs(self, samples: Sequence[Sample], rows: list[int]) -> Tensor | None:
-        if self.reference is None:
+    def _values(self, samples: Sequence[Sample]) -> Tensor:
+        """The critic's values of every sample of the step, ``[S, T]`` float32 on the CPU (no gradient)."""
+        assert self.critic is not None
+        values = torch.zeros((len(samples), max(s.length for s in samples) - 1))
+        with torch.no_grad():
+            for rows in plan([s.length for s in samples], 1, self.settings.micro_batch_tokens)[0]:
+                grid = token_values(self.critic, pack([samples[r].input_ids for r in rows]), len(rows)).cpu()
+                values[rows, : grid.shape[1]] = grid
+        return values
+
+    def _critic_step(self, samples: Sequence[Sample], old_values: Tensor, returns: Tensor) -> dict[str, float]:
+        """One critic update on the clipped value loss, a token mean over every loss token of the step;
+        this rank's micro-batches of the data-parallel plan, gradients summed over ranks."""
+        assert self.critic is not None
+        settings = self.settings.critic
+        total = float(sum(s.loss_tokens for s in samples))
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # value error, clip fraction, tokens
+        my_plan = plan([s.length for s in samples], self.rank.world_size, self.settings.micro_batch_tokens)
+        for rows in my_plan[self.rank.rank]:
+            if not rows:
+                continue
+            values = token_values(self.critic, pack([samples[r].input_ids for r in rows]), len(rows))
+            width = values.shape[1]
+            mask = padded([samples[r].loss_mask for r in rows], width).to(self.device)
+            per_token, stats = value_loss(
+                values,
+                old_values[rows, :width].to(self.device),
+                returns[rows, :width].to(self.device, torch.float32),
+                mask,
+                clip=settings.value_clip,
+            )
+            (per_token.sum() / total).backward()
+            count = mask.sum().double()
+            sums += torch.stack(
+                [stats["value_error"].double() * count, stats["value_clip_fraction"].double() * count, count]
+            )
+        params = list(self.critic.parameters())
+        if self.rank.distributed:
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad)
+            dist.all_reduce(sums)
+        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        lr = self.critic_scheduler.get_last_lr()[0]
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        error, clipped, tokens = (float(v) for v in sums.cpu())
+        mask = padded([s.loss_mask for s in samples]).bool()
+        return {
+            "critic/value_error": error / max(tokens, 1.0),
+            "critic/clip_fraction": clipped / max(tokens, 1.0),
+            "critic/value_mean": float(old_values[:, : mask.shape[1]][mask].mean()) if mask.any() else 0.0,
+            "critic/grad_norm": float(norm),
+            "critic/lr": lr,
+        }
+
+    def _frozen_logprobs(self, model: nn.Module | None, samples: Sequence[Sample], rows: list[int]) -> Tensor | None:
+        """A frozen model's (reference, teacher) logprobs of the rows' tokens at the sampling temperature."""
+        if model is None:
             return None
         with torch.no_grad():
             logprobs, _ = token_logprobs(
-                self.reference, pack([samples[r].input_ids for r in rows]), len(rows), self.settings.rollout.temperature
+                model, pack([samples[r].input_ids for r in rows]), len(rows), self.settings.rollout.temperature
             )
         return logprobs
 

