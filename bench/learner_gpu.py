@@ -29,8 +29,9 @@ at the learner's default ``micro_batch_tokens`` (``--default-budget``: two 4k se
 per packed micro-batch), and with ``--compile`` ours, then plain, again with each
 decoder layer ``torch.compile``d (an experiment, not what the learner does).
 
-This is the torch path (transformers + torch); NVIDIA AutoModel is not used.
-Usage: ``python bench/learner_gpu.py [--layers 27] [--steps 10] [--compile]``
+``--backend`` picks the learner's backend (``auto``: NVIDIA AutoModel where it imports, else
+transformers); "plain" is always transformers.
+Usage: ``python bench/learner_gpu.py [--backend auto|torch|automodel] [--layers 27] [--steps 10] [--compile]``
 (outside the workspace's venv put ``libs/*/src`` and ``services/*/src`` on ``PYTHONPATH``).
 """
 
@@ -56,8 +57,6 @@ from molt.learner.config import LearnerSettings, OptimizerSettings, check_sound
 from molt.learner.packing import plan
 from molt.learner.synthetic import group_of, trajectory
 from molt.learner.trainer import Trainer
-
-AUTOMODEL_NOTE = "backend: torch path (transformers + torch); NVIDIA AutoModel is not available on this machine"
 
 
 def qwen2_config(args: argparse.Namespace) -> Qwen2Config:
@@ -254,6 +253,7 @@ def compile_experiment(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "automodel"], help="the learner's")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--layers", type=int, default=27)
@@ -277,7 +277,7 @@ def main() -> None:
         where = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)"
     else:
         where = "CPU (no CUDA: a check of the code, not a measurement)"
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {where}\n{AUTOMODEL_NOTE}", flush=True)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {where}", flush=True)
     peak = matmul_rate(args.matmul, 10)
     print(f"{DTYPE} matmul {args.matmul}^3, random data, 3 rounds of 10, median: {peak:.1f} TFLOP/s", flush=True)
 
@@ -294,10 +294,12 @@ def main() -> None:
             groups_per_step=1,
             micro_batch_tokens=args.seq_len,
             optimizer=OptimizerSettings(lr=1e-6, total_steps=10_000),
+            backend=args.backend,
         )
         check_sound(settings)
         trainer = Trainer(settings)
         assert trainer.device.type == device.type, trainer.device
+        print(f"learner backend: {trainer.backend} (asked: {args.backend}); plain: transformers", flush=True)
         plain = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE, attn_implementation="sdpa").to(device)
         plain.train()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-6, fused=True)

@@ -135,7 +135,12 @@ class LearnerSettings(ServiceSettings):
     refit_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one refit, seconds.")
     model_path: Path = Field(description="Local directory of the initial policy (save_pretrained layout).")
     backend: Literal["auto", "torch", "automodel"] = Field(
-        "auto", description="auto: AutoModel where CUDA is present, else transformers + torch FSDP2."
+        "auto",
+        description="auto: NVIDIA AutoModel where CUDA is present and it imports, else transformers; FSDP2 either way.",
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Parameter dtype of the policy (and reference, teacher, critic); auto: bf16 on GPU, fp32 on CPU.",
     )
     data_parallel_size: int = Field(1, ge=1, description="Training ranks (FSDP2; CPU ranks use gloo).")
     master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port of the ranks; 0 picks a free one.")
@@ -203,8 +208,6 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
         problems.append(f"algorithm.teacher_path is only used by on_policy_distill, not {algo.estimator!r}")
     if algo.loss == "gspo" and algo.dual_clip is not None:
         problems.append("dual_clip is defined for token ratios only; gspo takes none")
-    if settings.backend == "automodel":
-        problems.append("backend 'automodel' is not available in this learner yet; use 'torch' (or 'auto')")
     if settings.mode == "sft" and settings.sft is None:
         problems.append("mode = 'sft' needs an [learner.sft] table with data_path")
     if settings.mode == "sft" and settings.data_parallel_size > 1:

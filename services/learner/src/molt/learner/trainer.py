@@ -14,10 +14,12 @@ publishes them through the loop's ``on_step`` hook after every step.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -45,14 +47,48 @@ from molt.learner.packing import pack, plan
 from molt.learner.ranks import SINGLE, RankInfo, device_for
 
 # (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
+Backend = Literal["torch", "automodel"]
 MicroLoss = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
 
 
-def load_policy(path: Path, device: torch.device, *, trainable: bool) -> PreTrainedModel:
-    """The causal LM at ``path``: float32 on CPU, bfloat16 on GPU; ``trainable=False`` freezes it (reference)."""
+def resolve_backend(requested: str, device: torch.device) -> Backend:
+    """The training backend actually used. ``auto``: NVIDIA AutoModel when the device is CUDA and
+    ``nemo_automodel`` imports, else transformers. ``automodel`` without either is a ``ConfigError``."""
+    if requested == "torch":
+        return "torch"
+    problem = None
+    if device.type != "cuda":
+        problem = "it needs CUDA (NeMoAutoModelForCausalLM places the model on a GPU)"
+    else:
+        try:
+            import nemo_automodel  # noqa: F401
+        except ImportError as exc:
+            problem = f"nemo_automodel does not import ({exc}); install the gpu extra"
+    if problem is None:
+        return "automodel"
+    if requested == "automodel":
+        raise ConfigError(f"backend 'automodel' is not available: {problem}; use 'torch' or 'auto'")
+    return "torch"
+
+
+def load_policy(
+    path: Path, device: torch.device, *, trainable: bool, backend: Backend = "torch", dtype: str = "auto"
+) -> PreTrainedModel:
+    """The causal LM at ``path``, through transformers or NVIDIA AutoModel (``NeMoAutoModelForCausalLM``,
+    its own implementation of the architecture, same parameter names); ``dtype`` auto: float32 on CPU,
+    bfloat16 on GPU. ``trainable=False`` freezes it (reference, teacher)."""
     hf_logging.disable_progress_bar()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    if backend == "automodel":
+        from nemo_automodel import NeMoAutoModelForCausalLM
+
+        # str: it tells a path from a config by type; torch_dtype: its own argument (it reads no dtype=).
+        model = NeMoAutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch_dtype).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa").to(device)
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
@@ -86,14 +122,16 @@ class Trainer:
         self.rank = rank
         self.device = device_for(rank)
         torch.manual_seed(settings.seed)
-        self.model = load_policy(settings.model_path, self.device, trainable=True)
+        self.backend = resolve_backend(settings.backend, self.device)
+        load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
+        self.model = load(settings.model_path, trainable=True)
         self.vocab_size = int(self.model.config.vocab_size)
         if rank.distributed:
             shard(self.model, rank.world_size, self.device)
         needs_reference = settings.algorithm.kl_coef > 0
-        self.reference = load_policy(settings.model_path, self.device, trainable=False) if needs_reference else None
+        self.reference = load(settings.model_path, trainable=False) if needs_reference else None
         teacher = settings.algorithm.teacher_path
-        self.teacher = load_policy(teacher, self.device, trainable=False) if teacher is not None else None
+        self.teacher = load(teacher, trainable=False) if teacher is not None else None
         if self.teacher is not None and int(self.teacher.config.vocab_size) != self.vocab_size:
             raise ConfigError(
                 f"teacher {teacher} has vocab_size {self.teacher.config.vocab_size}, the policy "
@@ -113,7 +151,10 @@ class Trainer:
         self.critic: Critic | None = None
         if settings.algorithm.estimator == "gae":
             critic = settings.critic
-            body = load_policy(critic.model_path or settings.model_path, self.device, trainable=True)
+            # transformers for the critic's body whatever the policy's backend: Critic needs its base_model.
+            body = load_policy(
+                critic.model_path or settings.model_path, self.device, trainable=True, dtype=settings.param_dtype
+            )
             self.critic = Critic.from_causal_lm(body)
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=critic.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
