@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from molt.core.errors import ConfigError
-from molt.learner.batch import StepBatch, assemble, build_group
+from molt.learner.batch import StepBatch
 from molt.learner.config import LearnerSettings
-from molt.learner.synthetic import named_group
+from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer, resolve_backend
 
 SettingsFactory = Callable[..., LearnerSettings]
@@ -24,18 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def fixed_batch() -> StepBatch:
-    samples = []
-    for name, rewards in (("alpha", [1.0, 0.0, 1.0, 0.0]), ("beta", [0.0, 0.0, 1.0, 0.5])):
-        outcome = build_group(
-            named_group(name, rewards),
-            vocab_size=320,
-            current_version=0,
-            max_staleness=100,
-            consumed=set(),
-            needs_groups=True,
-        )
-        samples += outcome.samples
-    return assemble(samples)
+    return step_batch({"alpha": [1.0, 0.0, 1.0, 0.0], "beta": [0.0, 0.0, 1.0, 0.5]})
 
 
 def test_backend_choice_on_a_cpu() -> None:

@@ -12,30 +12,19 @@ import pytest
 import torch
 
 from molt.core.tiny_model import build
-from molt.learner.batch import StepBatch, assemble, build_group, padded
+from molt.learner.batch import StepBatch, assemble, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.logprobs import token_logprobs
 from molt.learner.objective import gae_targets, step_advantages
 from molt.learner.packing import pack
-from molt.learner.synthetic import named_group
+from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer, lr_factor
 
 SettingsFactory = Callable[..., LearnerSettings]
 
 
-def fixed_batch(vocab_size: int = 320) -> StepBatch:
-    samples = []
-    for name, rewards in (("alpha", [1.0, 0.0, 1.0, 0.0]), ("beta", [0.0, 0.0, 1.0, 0.5])):
-        outcome = build_group(
-            named_group(name, rewards),
-            vocab_size=vocab_size,
-            current_version=0,
-            max_staleness=100,
-            consumed=set(),
-            needs_groups=True,
-        )
-        samples += outcome.samples
-    return assemble(samples)
+def fixed_batch() -> StepBatch:
+    return step_batch({"alpha": [1.0, 0.0, 1.0, 0.0], "beta": [0.0, 0.0, 1.0, 0.5]})
 
 
 def logprobs_of(trainer: Trainer, batch: StepBatch) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from molt.learner.batch import StepBatch, assemble, build_group
 from molt.v1 import common_pb2
 
 UNIFORM_LOGPROB = -math.log(320)
@@ -75,3 +76,19 @@ def named_group(
         for i, reward in enumerate(rewards)
     ]
     return group_of(name, samples, run_id=run_id)
+
+
+def step_batch(groups: dict[str, list[float]], vocab_size: int = 320) -> StepBatch:
+    """The learner's ``StepBatch`` of ``named_group(name, rewards)`` for each entry, at version 0."""
+    samples = []
+    for name, rewards in groups.items():
+        outcome = build_group(
+            named_group(name, rewards),
+            vocab_size=vocab_size,
+            current_version=0,
+            max_staleness=100,
+            consumed=set(),
+            needs_groups=True,
+        )
+        samples += outcome.samples
+    return assemble(samples)
