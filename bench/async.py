@@ -17,7 +17,7 @@ Pareto tail, capped at 512 tokens; see there). Samples/s is the learner's consum
 over the steps after the first ``--skip`` (engine warm-up, first refits), divided by the
 time between those steps' metrics lines. The ratio async/sync is printed per workload.
 
-Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--steps 40] [--skip 8]``.
+Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--steps 40] [--skip 8] [--set K=V ...]``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "learner.checkpoint_every": str(args.steps),
         **WORKLOADS[workload],
         **mode_sets(mode, args.staleness),
+        **dict(assignment.split("=", 1) for assignment in args.set),
     }
     for key in ("router", "broadcaster", "learner", "agent_pool"):
         sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
@@ -120,6 +121,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
     parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode (>= 1)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run (repeatable)"
+    )
     args = parser.parse_args()
     if args.staleness < 1 or args.steps < args.skip + 3:
         parser.error("need --staleness >= 1 and --steps >= --skip + 3")
@@ -129,7 +133,7 @@ def main() -> None:
         parser.error(f"unknown workloads {sorted(unknown)}")
     print(
         f"async vs sync loop through molt up ({RECIPE.name}), {args.steps} steps per run, first {args.skip} "
-        f"left out, async staleness {args.staleness}, {os.cpu_count()} cpus",
+        f"left out, async staleness {args.staleness}, {os.cpu_count()} cpus, overrides {args.set or 'none'}",
         flush=True,
     )
     results = []

@@ -204,6 +204,10 @@ class Launch:
             address = connect_address(settings.listen)  # type: ignore[attr-defined]
             args = [script(SERVICES[name][1]), "--config", str(self.config_path)]
             gpus = self.plan.gpus("learner", 0) if name == "learner" else None
+            if name == "learner" and self.plan.gpus_per_node == 0 and not self.recipe.learner.cpu_threads:
+                # A CPU rank reserves one CPU in the plan. torch's default (a thread per core) would also
+                # run on the engine's core and oversubscribe it: 1.85x slower steps on 2 cores (bench/async.py).
+                args += ["--cpu_threads", "1"]
             child = ChildProcess(args, self.run_dir / "logs" / f"{name}.log", self._env(gpus))
             self.children[name] = child
             process = child.spawn()
