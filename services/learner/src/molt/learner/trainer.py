@@ -15,6 +15,7 @@ publishes them through the loop's ``on_step`` hook after every step.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +47,9 @@ from molt.learner.objective import (
 from molt.learner.packing import pack, plan
 from molt.learner.ranks import SINGLE, RankInfo, device_for
 
-# (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
+log = logging.getLogger(__name__)
 Backend = Literal["torch", "automodel"]
+# (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
 MicroLoss = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
 
 
@@ -126,6 +128,8 @@ class Trainer:
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
         self.vocab_size = int(self.model.config.vocab_size)
+        dtype = str(next(self.model.parameters()).dtype)
+        log.info("policy loaded", extra={"backend": self.backend, "dtype": dtype, "device": str(self.device)})
         if rank.distributed:
             shard(self.model, rank.world_size, self.device)
         needs_reference = settings.algorithm.kl_coef > 0
