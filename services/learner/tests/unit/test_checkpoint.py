@@ -9,20 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.learner.batch import StepBatch, assemble, build_group
 from molt.learner.checkpoint import Checkpoints, RunState, is_complete
 from molt.learner.config import LearnerSettings
-from molt.learner.synthetic import named_group
+from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer
 
 SettingsFactory = Callable[..., LearnerSettings]
-
-
-def batch(name: str, rewards: list[float]) -> StepBatch:
-    outcome = build_group(
-        named_group(name, rewards), vocab_size=320, current_version=0, max_staleness=9, consumed=(), needs_groups=True
-    )
-    return assemble(outcome.samples)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
@@ -35,7 +27,7 @@ def test_resume_continues_exactly(learner_settings: SettingsFactory, tmp_path: P
         algorithm={"estimator": estimator},
         critic={"lr": 1e-3},
     )
-    first, second = batch("one", [1.0, 0.0, 0.5, 0.0]), batch("two", [0.0, 1.0, 1.0, 0.0])
+    first, second = step_batch({"one": [1.0, 0.0, 0.5, 0.0]}), step_batch({"two": [0.0, 1.0, 1.0, 0.0]})
 
     straight = Trainer(settings)
     straight.train_step(first)

@@ -63,7 +63,8 @@ def step_advantages(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
 
 
 def gae_targets(batch: StepBatch, algo: AlgorithmSettings, values: Tensor) -> tuple[Tensor, Tensor]:
-    """``gae`` for the whole step from the critic's values ``[S, >= T]`` at sampling time: the advantages
+    """``gae`` for the whole step from the critic's values ``[S, >= T]`` before this step's update (the
+    learner takes one step per batch, as for the old logprobs): the advantages
     (whitened over the step's loss tokens, as for ``reinforce``) and the returns the critic regresses on.
     The scalar reward sits on each sample's last loss token; a segment of a compacted episode is a
     sample of its own, ending in the episode's reward."""
