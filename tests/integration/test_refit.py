@@ -24,8 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from molt.core.config import RunSettings
-from molt.core.processes import start_ray_head
-from molt.core.testing import RedisServer, ServiceProcess, free_port
+from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port
 from molt.core.tiny_model import build
 from molt.learner.config import LearnerSettings
 from molt.learner.refit import WeightPublisher, gather_for_refit
@@ -33,19 +32,7 @@ from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2, weig
 
 pytestmark = pytest.mark.integration
 RUN_ID = "refit-test"
-# `ray start` turns token auth on; clients send the token (~/.ray/auth_token) only in token mode.
-RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "token"}
 PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray head of its own (``ray start --block``: stopping its session stops the cluster)."""
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    log = tmp_path_factory.mktemp("ray") / "ray.log"
-    head, address, _ = start_ray_head(ray_cli, log, num_cpus=4, env=RAY_ENV, timeout_s=300)
-    yield address
-    head.stop(timeout_s=60)
 
 
 @pytest.fixture(scope="module")

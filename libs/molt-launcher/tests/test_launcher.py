@@ -82,11 +82,27 @@ def test_wiring_points_clients_at_servers_and_models_at_the_sft_output(tmp_path:
     assert tables["broadcaster"]["router_address"] == "127.0.0.1:6001"
     assert tables["learner"]["broadcaster_address"] == "127.0.0.1:6004"
     assert tables["router"]["ray_address"] == tables["broadcaster"]["ray_address"] == "127.0.0.1:9"
+    assert "ray_address" not in tables["learner"]  # its ranks are local processes
+    placed = wire(load_recipe(TINY, ["learner.placement=ray"]), tmp_path, None, "127.0.0.1:9")
+    assert placed["learner"]["ray_address"] == "127.0.0.1:9"
     assert tables["run"] == {**recipe.tables["run"], "run_dir": str(tmp_path), "redis_url": "redis://127.0.0.1:7/0"}
     sft = str(tmp_path / "sft-model")
     assert tables["router"]["engine"]["model_path"] == tables["learner"]["model_path"] == sft
     assert tables["agent_pool"]["tokenizer_path"] == sft
     assert recipe.tables["learner"]["model_path"] == "models/tiny"  # the recipe itself is untouched
+
+
+def test_ray_head_registers_the_learner_gpus_only_when_ray_places_its_ranks(tmp_path: Path) -> None:
+    qwen = ROOT / "recipes" / "qwen3-4b-math.toml"
+    local = load_recipe(qwen)
+    placed = load_recipe(qwen, ["learner.placement=ray"])
+    local_launch = Launch(local, plan_or_raise(local), tmp_path, io.StringIO())
+    placed_launch = Launch(placed, plan_or_raise(placed), tmp_path, io.StringIO())
+    learner = local_launch.plan.gpus("learner", 0)
+    engines = local_launch.plan.gpus("router", 0)
+    assert learner and engines and not set(learner) & set(engines)
+    assert local_launch.ray_gpus() == engines
+    assert placed_launch.ray_gpus() == tuple(sorted(learner + engines))
 
 
 def test_redis_is_embedded_unless_a_url_is_given() -> None:

@@ -27,10 +27,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (the caller retries if it is taken before use)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host`` (the caller retries if it is taken before use)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 

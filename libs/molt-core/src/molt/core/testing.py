@@ -4,21 +4,36 @@
 ``ServiceProcess`` (a molt service as a child process, ready at its health
 check) live in ``molt.core.processes`` and are re-exported here; both end
 exactly the processes they started. Fixtures: one Redis server per session plus a flushed database per
-test, and the tiny model built once per session.
+test, the tiny model built once per session, and a Ray head of the session's own (``ray_head``, its
+address; clients need ``RAY_ENV``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from molt.core.processes import RedisServer, ServiceProcess, free_port
+from molt.core.processes import RedisServer, ServiceProcess, free_port, start_ray_head
 from molt.core.tiny_model import build
 
-__all__ = ["RedisServer", "ServiceProcess", "free_port", "redis_client", "redis_server", "tiny_model"]
+__all__ = [
+    "RAY_ENV",
+    "RedisServer",
+    "ServiceProcess",
+    "free_port",
+    "ray_head",
+    "redis_client",
+    "redis_server",
+    "tiny_model",
+]
+
+# `ray start` turns token auth on; clients send the token (~/.ray/auth_token) only in token mode.
+# Ray's `uv run` hook would start every worker through `uv run`; molt's share this interpreter.
+RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "token"}
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +58,13 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model and tokenizer (seed 0), built once per test session."""
     return build(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray head of the session's own with 4 CPUs (``ray start --block``: stopping it stops the cluster)."""
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    log = tmp_path_factory.mktemp("ray") / "ray.log"
+    head, address, _ = start_ray_head(ray_cli, log, num_cpus=4, env=RAY_ENV, timeout_s=300)
+    yield address
+    head.stop(timeout_s=60)

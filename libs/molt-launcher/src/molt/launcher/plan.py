@@ -2,9 +2,12 @@
 
 Rules (what the services actually do):
 
-- The learner's ``data_parallel_size`` ranks are local processes of one node
-  (``torch.multiprocessing``, rendezvous on loopback), so they all go to node 0,
-  where the launcher runs: one GPU each (one CPU each on a CPU run).
+- The learner's ``data_parallel_size`` ranks all go to node 0, where the launcher
+  runs: one GPU each (one CPU each on a CPU run). With ``placement = "local"``
+  they are local processes (``torch.multiprocessing``, rendezvous on loopback);
+  with ``placement = "ray"`` they are Ray actors in one ``STRICT_PACK`` placement
+  group that prefers the learner process's node, and node 0's Ray head then
+  registers the learner's GPUs as well as the engines'.
 - Each of the router's ``engine_count`` engines is a Ray placement group of
   ``tensor_parallel_size`` GPU bundles packed on one node (a tensor-parallel
   group never spans nodes), placed first-fit on the GPUs the learner left; on a
@@ -15,8 +18,8 @@ Rules (what the services actually do):
 The plan is checked against the recipe's declared ``[launcher]`` resources
 (``nodes``, ``gpus_per_node``, ``cpus_per_node``); a plan that does not fit is a
 ``PlanError`` saying what was asked for and what is left. ``molt up`` applies
-the node-0 GPU split: the learner and the local Ray head get disjoint
-``CUDA_VISIBLE_DEVICES``.
+the node-0 GPU split: a locally placed learner and the local Ray head get
+disjoint ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -86,8 +89,8 @@ def make_plan(recipe: Recipe) -> Plan:
     need, have, unit = (ranks, gpus_per_node, "GPUs") if on_gpu else (ranks, cpus_per_node, "CPUs")
     if need > have:
         raise PlanError(
-            f"learner: data_parallel_size = {ranks} ranks need {need} {unit} on one node (its ranks are local "
-            f"processes of node 0), but [launcher] declares {have} {unit} per node"
+            f"learner: data_parallel_size = {ranks} ranks need {need} {unit} on one node (its ranks share node "
+            f"0), but [launcher] declares {have} {unit} per node"
         )
     for rank in range(ranks):
         gpus = (free_gpus[0].pop(0),) if on_gpu else ()

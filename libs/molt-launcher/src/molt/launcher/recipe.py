@@ -172,6 +172,8 @@ def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str 
     if ray_address is not None:
         tables["router"]["ray_address"] = ray_address
         tables["broadcaster"]["ray_address"] = ray_address
+        if recipe.learner.placement == "ray":
+            tables["learner"]["ray_address"] = ray_address
     router = connect_address(recipe.router.listen)
     tables["agent_pool"]["router_address"] = router
     tables["broadcaster"]["router_address"] = router

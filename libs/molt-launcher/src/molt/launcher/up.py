@@ -160,16 +160,23 @@ class Launch:
         (self.run_dir / "settings.json").write_text(json.dumps(snapshot, indent=2, default=str) + "\n")
         self.state.save()
 
+    def ray_gpus(self) -> tuple[int, ...]:
+        """Node 0's GPUs that its Ray head registers: the engines', plus the learner's when Ray places its ranks."""
+        gpus = self.plan.gpus("router", 0)
+        if self.recipe.learner.placement == "ray":
+            gpus = tuple(sorted(gpus + self.plan.gpus("learner", 0)))
+        return gpus
+
     def _start_ray_head(self) -> str:
         """A local Ray head (``molt.core.processes.start_ray_head``); returns its address."""
-        engine_gpus = self.plan.gpus("router", 0)
+        ray_gpus = self.ray_gpus()
         head, address, temp_dir = start_ray_head(
             script("ray"),
             self.run_dir / "logs" / "ray.log",
             num_cpus=self.plan.cpus_per_node,
-            num_gpus=len(engine_gpus),
+            num_gpus=len(ray_gpus),
             port=self.recipe.launcher.ray_port,
-            env=self._env(engine_gpus),
+            env=self._env(ray_gpus),
         )
         self.children["ray"] = head
         self._record("ray", head)
@@ -203,7 +210,8 @@ class Launch:
             settings = self.recipe.services[name]
             address = connect_address(settings.listen)  # type: ignore[attr-defined]
             args = [script(SERVICES[name][1]), "--config", str(self.config_path)]
-            gpus = self.plan.gpus("learner", 0) if name == "learner" else None
+            # A learner placed by Ray is only its driver here; Ray gives each rank its GPU.
+            gpus = self.plan.gpus("learner", 0) if name == "learner" and settings.placement == "local" else None  # type: ignore[attr-defined]
             if name == "learner" and self.plan.gpus_per_node == 0 and not self.recipe.learner.cpu_threads:
                 # A CPU rank reserves one CPU in the plan. torch's default (a thread per core) would also
                 # run on the engine's core and oversubscribe it: 1.85x slower steps on 2 cores (bench/async.py).

@@ -143,7 +143,21 @@ class LearnerSettings(ServiceSettings):
         description="Parameter dtype of the policy (and reference, teacher, critic); auto: bf16 on GPU, fp32 on CPU.",
     )
     data_parallel_size: int = Field(1, ge=1, description="Training ranks (FSDP2; CPU ranks use gloo).")
-    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port of the ranks; 0 picks a free one.")
+    placement: Literal["local", "ray"] = Field(
+        "local",
+        description="local: the ranks are processes beside molt-learner; ray: Ray actors in one placement group "
+        "(one node, preferring molt-learner's), a GPU each where the cluster has GPUs.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="placement = ray: the Ray cluster to join (host:port, or 'auto'); unset = a Ray of its own.",
+    )
+    placement_timeout_s: float = Field(
+        600.0, gt=0, description="placement = ray: longest wait for the cluster to grant the ranks' bundles, seconds."
+    )
+    master_port: int = Field(
+        0, ge=0, le=65535, description="placement = local: rendezvous port of the ranks; 0 picks a free one."
+    )
     seed: int = Field(0, description="Seed of torch / python RNGs (saved and restored with checkpoints).")
     group_size: int = Field(8, ge=1, description="Samples per prompt, n (the agent-pool's group_size).")
     groups_per_step: int = Field(8, ge=1, description="Trajectory groups per optimizer step.")

@@ -1,13 +1,13 @@
 """Data-parallel ranks: who this process is, the process group, and starting the other ranks.
 
-Ranks are local processes started with ``torch.multiprocessing`` (the Ray
-placement of ranks on a cluster is not built yet). CPU ranks talk over gloo,
-GPU ranks over NCCL; the rendezvous is ``127.0.0.1:<master_port>``.
+Ranks are local processes started with ``torch.multiprocessing`` (``placement =
+"local"``, rendezvous on ``127.0.0.1``) or Ray actors (``placement = "ray"``,
+``molt.learner.placement``, rendezvous on rank 0's node address). CPU ranks talk
+over gloo, GPU ranks over NCCL.
 """
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,14 +45,14 @@ def device_for(rank: RankInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init_group(rank: RankInfo, master_port: int) -> None:
-    """Joins the process group of ``rank.world_size`` ranks (no-op for a single rank)."""
+def init_group(rank: RankInfo, master_addr: str, master_port: int) -> None:
+    """Joins the process group of ``rank.world_size`` ranks at ``master_addr:master_port`` (no-op for one rank)."""
     if not rank.distributed:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{master_port}",
+        init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank.rank,
         world_size=rank.world_size,
         timeout=COLLECTIVE_TIMEOUT,
@@ -62,10 +62,3 @@ def init_group(rank: RankInfo, master_port: int) -> None:
 def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A free loopback TCP port for the rendezvous (``master_port = 0``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -2,8 +2,9 @@
 the queue, the other ranks follow its steps.
 
 ``launch`` starts ``data_parallel_size`` ranks as local processes (torch
-multiprocessing; a Ray placement of ranks is not built yet) and ``run_rank``
-builds one rank's objects: trainer, checkpoints (resuming from the newest),
+multiprocessing, ``placement = "local"``) or as Ray actors in a placement group
+(``placement = "ray"``, ``molt.learner.placement``), and ``run_rank`` builds one
+rank's objects: trainer, checkpoints (resuming from the newest),
 and on rank 0 the queue consumer, the metrics sinks, the gRPC server with
 health, reflection and ``/metrics``, and the loop thread. SIGTERM/SIGINT stop
 the loop after its current step, with a checkpoint.
@@ -15,19 +16,21 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 import redis
 import torch
 import torch.multiprocessing as mp
 
 from molt.core.log import setup_logging
+from molt.core.processes import free_port
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import Registration, ServiceHost
 from molt.learner.checkpoint import Checkpoints
 from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop, OnStep
 from molt.learner.metrics import MetricsLog
-from molt.learner.ranks import RankInfo, free_port, init_group, leave_group
+from molt.learner.ranks import RankInfo, init_group, leave_group
 from molt.learner.refit import WeightPublisher
 from molt.learner.server import LearnerServicer
 from molt.learner.trainer import Trainer
@@ -38,17 +41,23 @@ SERVICE_NAME = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_na
 
 
 def launch(settings: LearnerSettings, on_step: OnStep | None = None) -> None:
-    """Runs the learner until it stops: in this process for one rank, else one process per rank."""
+    """Runs the learner until it stops: Ray actors (``placement = "ray"``), else in this process for
+    one rank and one local process per rank for more."""
     run_dir = settings.run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "learner-settings.json").write_text(settings.model_dump_json(indent=2))
+    if settings.placement == "ray":
+        from molt.learner.placement import launch_on_ray
+
+        launch_on_ray(settings)
+        return
     world = settings.data_parallel_size
     if world == 1:
-        run_rank(0, 1, settings, 0, on_step)
+        run_rank(0, 1, settings, ("127.0.0.1", 0), on_step)
         return
-    port = settings.master_port or free_port()
+    rendezvous = ("127.0.0.1", settings.master_port or free_port())
     ranks = mp.start_processes(
-        _spawned_rank, args=(world, settings, port), nprocs=world, join=False, start_method="spawn"
+        _spawned_rank, args=(world, settings, rendezvous), nprocs=world, join=False, start_method="spawn"
     )
     # SIGTERM reaches this parent only: hand it to rank 0, whose loop stops after its step with a
     # checkpoint and tells the followers to stop.
@@ -60,18 +69,27 @@ def launch(settings: LearnerSettings, on_step: OnStep | None = None) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _spawned_rank(rank: int, world: int, settings: LearnerSettings, port: int) -> None:
+def _spawned_rank(rank: int, world: int, settings: LearnerSettings, rendezvous: tuple[str, int]) -> None:
     setup_logging(f"molt-learner[{rank}]", settings.run.run_id)  # a spawned process starts without handlers
-    run_rank(rank, world, settings, port, None)
+    run_rank(rank, world, settings, rendezvous, None)
 
 
-def run_rank(rank: int, world: int, settings: LearnerSettings, port: int, on_step: OnStep | None) -> None:
-    """One rank's life: join the group, build, resume, then lead (rank 0) or follow."""
+def run_rank(
+    rank: int,
+    world: int,
+    settings: LearnerSettings,
+    rendezvous: tuple[str, int],
+    on_step: OnStep | None,
+    on_loop: Callable[[LearnerLoop], None] | None = None,
+) -> None:
+    """One rank's life: join the group at ``rendezvous`` (host, port), build, resume, then lead (rank 0)
+    or follow. ``on_loop`` receives rank 0's loop before it runs; a caller that passes it stops the loop
+    itself (a Ray actor runs this off the main thread, where no signal handler can be installed)."""
     info = RankInfo(rank, world)
     if settings.cpu_threads and not torch.cuda.is_available():
         # Beside an engine on the same few cores, torch's default (one thread per core) oversubscribes them.
         torch.set_num_threads(settings.cpu_threads)
-    init_group(info, port)
+    init_group(info, *rendezvous)
     try:
         trainer = Trainer(settings, info)
         checkpoints = Checkpoints(
@@ -90,13 +108,16 @@ def run_rank(rank: int, world: int, settings: LearnerSettings, port: int, on_ste
         loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, rank=info, on_step=on_step)
         resumed = loop.resume()
         loop.metrics = MetricsLog(settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed)
-        asyncio.run(serve(settings, loop))
+        if on_loop is not None:
+            on_loop(loop)
+        asyncio.run(serve(settings, loop, handle_signals=on_loop is None))
     finally:
         leave_group()
 
 
-async def serve(settings: LearnerSettings, loop: LearnerLoop) -> None:
-    """Serves LearnerService while the loop trains in a worker thread; returns when the loop ends."""
+async def serve(settings: LearnerSettings, loop: LearnerLoop, handle_signals: bool = True) -> None:
+    """Serves LearnerService while the loop trains in a worker thread; returns when the loop ends.
+    SIGTERM/SIGINT stop the loop after its step when ``handle_signals`` (only possible on the main thread)."""
     host = ServiceHost(
         name="learner",
         listen=settings.listen,
@@ -106,9 +127,10 @@ async def serve(settings: LearnerSettings, loop: LearnerLoop) -> None:
         metrics_port=settings.metrics_port,
     )
     await host.start()
-    events = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        events.add_signal_handler(sig, lambda: loop.request_stop(save_checkpoint=True))
+    if handle_signals:
+        events = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            events.add_signal_handler(sig, lambda: loop.request_stop(save_checkpoint=True))
     try:
         await asyncio.to_thread(loop.run)
     finally:
