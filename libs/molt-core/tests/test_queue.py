@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import redis
 from molt.core.errors import Backpressure, InvalidInput
 from molt.core.queue import CONSUMER_GROUP, QueueKeys, TrajectoryQueue
 from molt.core.testing import RedisServer
+from molt.core.trajectory import group_problems
 from molt.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
@@ -141,6 +144,52 @@ def test_malformed_group_is_refused_at_put(redis_client: redis.Redis) -> None:
     with pytest.raises(InvalidInput, match="run_id"):
         queue.put(make_group(run_id="other-run"))
     assert queue.stats().depth == 0
+
+
+def _break(field: str) -> Callable[[common_pb2.Trajectory], None]:
+    def apply(t: common_pb2.Trajectory) -> None:
+        if field in ("trajectory_id", "rollout_id"):
+            setattr(t, field, "")
+        elif field == "segment_index":
+            t.segment_index = -1
+        elif field == "reward":
+            t.reward = math.nan
+        elif field == "routed_expert_ids":
+            t.routed_expert_layer_count, t.routed_expert_top_k = 2, 1
+            t.routed_expert_ids.extend([0] * 7)  # 4 tokens x 2 layers x top 1 = 8
+        else:
+            getattr(t, field).pop()  # repeated fields: one entry short
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("trajectory_id", "trajectory_id is empty"),
+        ("rollout_id", "rollout_id is empty"),
+        ("segment_index", "segment_index -1 < 0"),
+        ("prompt_token_ids", "prompt_token_ids is empty"),
+        ("rollout_logprobs", "rollout_logprobs has 3 entries"),
+        ("loss_mask", "loss_mask has 3 entries"),
+        ("policy_versions", "policy_versions has 3 entries"),
+        ("routed_expert_ids", "routed_expert_ids has 7 entries, expected tokens*layers*top_k = 8"),
+        ("reward", "reward nan is not finite"),
+    ],
+)
+def test_every_structural_check_refuses(field: str, message: str) -> None:
+    group = make_group(samples=2, tokens=4)
+    assert group_problems(group, RUN) == []
+    if field == "prompt_token_ids":
+        del group.trajectories[1].prompt_token_ids[:]
+    else:
+        _break(field)(group.trajectories[1])
+    problems = group_problems(group, RUN)
+    assert len(problems) == 1 and message in problems[0], problems
+    valid = make_group(samples=1, tokens=4)
+    valid.trajectories[0].routed_expert_layer_count, valid.trajectories[0].routed_expert_top_k = 2, 1
+    valid.trajectories[0].routed_expert_ids.extend([3] * 8)
+    assert group_problems(valid, RUN) == []
 
 
 def test_malformed_entries_go_to_dead_letters(redis_client: redis.Redis) -> None:

@@ -188,13 +188,13 @@ class TrajectoryQueue:
                         pipe.unwatch()
                         return None
                     pipe.multi()
-                    for payload, group in zip(payloads, groups, strict=True):
-                        pipe.sadd(self.keys.seen_ids, *[t.trajectory_id for t in group.trajectories])
+                    pipe.sadd(self.keys.seen_ids, *ids)
+                    for payload in payloads:
                         pipe.xadd(self.keys.stream, {PAYLOAD_FIELD: payload})
                     replies = pipe.execute()
                 except redis.WatchError:
                     continue
-            return [entry.decode() if isinstance(entry, bytes) else str(entry) for entry in replies[1::2]]
+            return [entry.decode() if isinstance(entry, bytes) else str(entry) for entry in replies[1:]]
         return None
 
     def _put_script(
