@@ -11,7 +11,8 @@ and both sides load it from there.
   ``train_step(batch)``. The batch goes through the learner's own input path:
   ``TrajectoryGroup`` protos (``molt.learner.synthetic``) -> ``build_group`` ->
   ``assemble``. One step is GRPO advantages and row weights over the step, then per
-  packed micro-batch (``micro_batch_tokens``) the logprob recompute
+  micro-batch (``--micro-batch-tokens``, default one micro-batch of the whole step;
+  ``--layout``, default the learner's: padded rows on a GPU) the logprob recompute
   (``logprobs.token_logprobs``, with the logged entropy), the PPO/IS objective of
   ``molt.algos`` (``objective.micro_loss``) and a backward, then grad-norm clipping,
   AdamW and the LR schedule.
@@ -24,10 +25,10 @@ rate measured in the same run (``--matmul`` cubed, random data): 6 * parameters 
 tokens, and that plus causal attention (6 * layers * hidden * sequence length per
 token, forward + backward). Diagnostics after the timed steps: peak memory, GPU
 busy time from the profiler, the optimizer step fused versus for-each, a run of
-``--mixed`` packed micro-batches of several sequences each (ours only), the same step
-at the learner's default ``micro_batch_tokens`` (``--default-budget``: two 4k sequences
-per packed micro-batch), and with ``--compile`` ours, then plain, again with each
-decoder layer ``torch.compile``d (an experiment, not what the learner does).
+``--mixed`` mixed-length sequences (ours only), the same step at the learner's default
+``micro_batch_tokens`` (``--default-budget``: two 4k sequences per micro-batch), and with
+``--compile`` ours, then plain, again with each decoder layer ``torch.compile``d (an
+experiment, not what the learner does).
 
 ``--backend`` picks the learner's backend (``auto``: NVIDIA AutoModel where it imports, else
 transformers); "plain" is always transformers.
@@ -259,7 +260,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--sequences", type=int, default=4, help="sequences per step (one GRPO group)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence = micro_batch_tokens")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=0, help="the learner's micro_batch_tokens; 0 = sequences x seq-len"
+    )
+    parser.add_argument(
+        "--layout", default="auto", choices=["auto", "packed", "padded"], help="the learner's micro_batch_layout"
+    )
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens of each sequence (no loss)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each path, alternating")
@@ -292,7 +299,8 @@ def main() -> None:
             run=RunSettings(run_dir=Path(tmp) / "run"),
             group_size=args.sequences,
             groups_per_step=1,
-            micro_batch_tokens=args.seq_len,
+            micro_batch_tokens=args.micro_batch_tokens or args.seq_len * args.sequences,
+            micro_batch_layout=args.layout,
             optimizer=OptimizerSettings(lr=1e-6, total_steps=10_000),
             backend=args.backend,
         )
@@ -323,12 +331,13 @@ def main() -> None:
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
 
-    per_step = math.ceil(tokens / args.seq_len)
+    budget, layout = settings.micro_batch_tokens, trainer.layout
+    micro = plan(lengths, 1, budget, layout)[0]
     print(
         f"step: {args.sequences} sequences x {args.seq_len} tokens = {tokens} tokens "
-        f"(prompt {args.prompt}, loss on the rest); ours: {per_step} packed micro-batch(es) of <= {args.seq_len} "
-        f"tokens; plain: one [{args.sequences}, {args.seq_len}] batch. {args.warmup} warm-up + {args.steps} timed "
-        f"steps each, alternating",
+        f"(prompt {args.prompt}, loss on the rest); ours: {len(micro)} {layout} micro-batch(es) of <= {budget} "
+        f"tokens (rows {micro}); plain: one [{args.sequences}, {args.seq_len}] batch. {args.warmup} warm-up + "
+        f"{args.steps} timed steps each, alternating",
         flush=True,
     )
     for _ in range(args.warmup):
@@ -386,21 +395,22 @@ def main() -> None:
         low, high = args.prompt + args.seq_len // 16, args.seq_len * 7 // 8
         mixed = [rng.randrange(low, high) for _ in range(4 * args.sequences)]
         mixed_batch = step_batch(mixed, args.vocab, args.prompt, 2, settings)
-        micro = plan(mixed, 1, args.seq_len)[0]
+        micro = plan(mixed, 1, budget, layout)[0]
         for _ in range(2):
             trainer.train_step(mixed_batch)
         times = [timed(lambda: trainer.train_step(mixed_batch)) for _ in range(args.mixed)]
         print(
             f"\nmixed lengths (ours only): {len(mixed)} sequences of {min(mixed)}..{max(mixed)} tokens = "
-            f"{sum(mixed)} tokens in {len(micro)} packed micro-batches of <= {args.seq_len} (sizes "
-            f"{sorted(len(m) for m in micro)} sequences); block-diagonal masks, so SDPA gets an explicit mask"
+            f"{sum(mixed)} tokens in {len(micro)} {layout} micro-batches of <= {budget} (sizes "
+            f"{sorted(len(m) for m in micro)} sequences)"
+            + ("; block-diagonal masks, so SDPA gets an explicit mask" if layout == "packed" else "")
         )
         print(HEADER)
         mixed_flops = flops_per_step(params, args.layers, args.hidden, mixed)
-        report("ours: mixed-length packed", times, sum(mixed), mixed_flops, peak)
+        report(f"ours: mixed-length {layout}", times, sum(mixed), mixed_flops, peak)
 
     if args.default_budget:
-        # The learner's default micro_batch_tokens (8192): two 4k sequences share a packed micro-batch.
+        # The learner's default micro_batch_tokens (8192): two 4k sequences share a micro-batch.
         default = LearnerSettings.model_fields["micro_batch_tokens"].default
         trainer.settings = settings.model_copy(update={"micro_batch_tokens": default})
         for _ in range(2):
@@ -409,7 +419,7 @@ def main() -> None:
         trainer.settings = settings
         print(
             f"\nthe same step at the learner's default micro_batch_tokens = {default} "
-            f"(micro-batches of rows {plan(lengths, 1, default)[0]}): packed rows get a block-diagonal mask"
+            f"(micro-batches of rows {plan(lengths, 1, default, layout)[0]}, {layout})"
         )
         print(HEADER)
         report(f"ours: micro_batch_tokens {default}", times, tokens, flops, peak)

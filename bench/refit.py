@@ -11,9 +11,10 @@ move the same bytes both ways, in the same process pair:
   total size (rank 0's buffer is filled beforehand; rank 1 allocates it in the timing, as ours does).
 
 Times are rank 1's (the receiver finishes last), from a common start to the
-last byte received (raw) or the last tensor verified (ours). Ours is split into
-transfer (receive + unpack, which includes the sender's packing) and verify
-(receiver checksums); the sender's
+last byte received (raw) or the last tensor staged / verified (ours). Ours runs
+twice per round: transfer alone (receive + unpack, which includes the sender's
+packing), then with the receiver's checksums (which overlap with the next
+bucket's transfer; their own time is reported too); the sender's
 manifest checksums (``TensorMeta.of``, which the learner computes for every refit
 before it sends) are timed on rank 0 and reported apart. Rounds alternate ours/raw after one warm-up round; medians.
 
@@ -41,6 +42,7 @@ import torch.multiprocessing as mp
 from molt.core.weightsync import (
     TensorMeta,
     WeightGroup,
+    bucket_layout,
     manifest_from_json,
     manifest_to_json,
     pack_bucket,
@@ -120,6 +122,7 @@ def worker(rank: int, port: int, sizes: list[str], tiny_dir: str, repeats: int, 
             total = sum(m.nbytes for m in metas)
         rows: dict[str, list[float]] = {"ours_s": [], "ours_transfer_s": [], "ours_verify_s": [], "raw_s": []}
         manifest_s: list[float] = []
+        scratch: torch.Tensor | None = None
         pack_s: list[float] = []
         ok = True
         for round_ in range(repeats + 1):  # round 0 warms up
@@ -127,26 +130,35 @@ def worker(rank: int, port: int, sizes: list[str], tiny_dir: str, repeats: int, 
                 started = time.perf_counter()
                 metas = [TensorMeta.of(name, tensor) for name, tensor in state.items()]
                 manifest_s.append(time.perf_counter() - started)
-                started = time.perf_counter()  # diagnostic: what send() spends packing, before any byte moves
-                packed = [pack_bucket(bucket, state, cpu) for bucket in plan_buckets(metas, bucket_bytes)]
+                # diagnostic: what send() spends packing, before any byte moves (into a buffer kept between
+                # refits, as WeightGroup.send packs on CPU)
+                buckets_now = plan_buckets(metas, bucket_bytes)
+                if scratch is None:
+                    scratch = torch.zeros(max(bucket_layout(b)[1] for b in buckets_now), dtype=torch.uint8)
+                started = time.perf_counter()
+                for bucket in buckets_now:
+                    pack_bucket(bucket, state, cpu, out=scratch)
                 pack_s.append(time.perf_counter() - started)
-                del packed
-            # ours
-            sync()
-            started = time.perf_counter()
+            # ours, twice: transfer alone (receive + stage), then as the engine does it (+ checksums, which
+            # overlap with the next bucket's transfer, so the two cannot be split out of one pass)
+            timings = []
             verify = 0.0
-            if rank == 0:
-                buckets = group.send(metas, state, bucket_bytes)
-            else:
-                staged: dict[str, torch.Tensor] = {}
-                for meta, tensor in group.receive(metas, bucket_bytes):
-                    staged[meta.name] = tensor
-                    mark = time.perf_counter()
-                    ok &= tensor_checksum(tensor) == meta.checksum
-                    verify += time.perf_counter() - mark
-                ok &= len(staged) == len(metas)
-                del staged
-            ours = time.perf_counter() - started
+            for check in (False, True):
+                sync()
+                started = time.perf_counter()
+                if rank == 0:
+                    buckets = group.send(metas, state, bucket_bytes)
+                else:
+                    staged: dict[str, torch.Tensor] = {}
+                    for meta, tensor in group.receive(metas, bucket_bytes):
+                        staged[meta.name] = tensor
+                        if check:
+                            mark = time.perf_counter()
+                            ok &= tensor_checksum(tensor) == meta.checksum
+                            verify += time.perf_counter() - mark
+                    ok &= len(staged) == len(metas)
+                    del staged
+                timings.append(time.perf_counter() - started)
             # raw
             sync()
             started = time.perf_counter()
@@ -155,8 +167,8 @@ def worker(rank: int, port: int, sizes: list[str], tiny_dir: str, repeats: int, 
             raw_s = time.perf_counter() - started
             del buffer
             if round_:
-                rows["ours_s"].append(ours)
-                rows["ours_transfer_s"].append(ours - verify)
+                rows["ours_transfer_s"].append(timings[0])
+                rows["ours_s"].append(timings[1])
                 rows["ours_verify_s"].append(verify)
                 rows["raw_s"].append(raw_s)
         if rank == 0:

@@ -37,14 +37,17 @@ def test_checksum_sees_every_bit_and_position() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
 def test_checksum_equals_its_definition_across_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """sum of bits(i) * (i mod 65521 + 1), mod 2**64 (bytes unsigned, wider elements signed), over many chunks."""
+    """sum of w(j) * (j mod 65521 + 1), mod 2**64, w = the bytes zero-padded to 8-byte little-endian signed
+    words, over many chunks; 140,001 elements leave a partial last word for every element size but 8."""
     monkeypatch.setattr(weightsync, "_CHUNK_CPU", 1000)
     monkeypatch.setattr(weightsync, "_WEIGHTS", {})
     tensor = (torch.randn(140_001, generator=torch.Generator().manual_seed(1)) * 1e4).to(dtype)
-    bits = tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
-    positions = torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1
-    expected = sum(int(b) * int(w) for b, w in zip(bits.tolist(), positions.tolist(), strict=True)) % 2**64
+    raw = tensor.numpy().tobytes() if dtype != torch.bfloat16 else tensor.view(torch.int16).numpy().tobytes()
+    raw += b"\0" * (-len(raw) % 8)
+    words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    expected = sum(w * (j % 65521 + 1) for j, w in enumerate(words)) % 2**64
     assert tensor_checksum(tensor) == expected
+    assert tensor_checksum(tensor[1:]) != tensor_checksum(tensor[:-1])  # unaligned starts go through the padding
 
 
 def test_checksum_of_non_contiguous_tensor_equals_its_contiguous_copy() -> None:
@@ -144,3 +147,13 @@ def test_gloo_group_moves_mixed_dtypes_bit_exactly() -> None:
             assert got.dtype == tensors[meta.name].dtype and got.shape == tensors[meta.name].shape
             assert torch.equal(got, tensors[meta.name])
             assert tensor_checksum(got) == meta.checksum
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_checksum_on_the_gpu_equals_the_host_one(dtype: torch.dtype) -> None:
+    """The sender hashes on its GPU and a receiver may hash on the host (or another GPU): same value."""
+    tensor = (torch.randn(3_000_001, generator=torch.Generator().manual_seed(2)) * 100).to(dtype)
+    for piece in (tensor, tensor[1:], tensor[:-1]):  # aligned, unaligned start, partial last word
+        assert tensor_checksum(piece.cuda()) == tensor_checksum(piece), (dtype, piece.numel())

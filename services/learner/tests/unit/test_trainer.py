@@ -16,7 +16,7 @@ from molt.learner.batch import StepBatch, assemble, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.logprobs import token_logprobs
 from molt.learner.objective import gae_targets, step_advantages
-from molt.learner.packing import pack
+from molt.learner.packing import pack, pad
 from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer, lr_factor
 
@@ -63,27 +63,36 @@ def test_loss_on_a_fixed_batch_falls_and_parameters_move(learner_settings: Setti
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "prompt_mean_token_mean"])
-def test_a_step_does_not_depend_on_the_micro_batch_split(learner_settings: SettingsFactory, aggregation: str) -> None:
-    """One micro-batch of everything vs one micro-batch per sample (budget 16 < 2 samples): the same
-    update, because the step's weights are fixed before the split and nothing divides by the count.
-    Adam's first update is ~lr * sign(g) where |g| >> eps, blind to a constant factor and noisy where
-    g ~ 0, so eps is raised to 1 (the update is then ~lr * g) and the gradient norm and loss are
-    compared too (a division by the 8 micro-batches would shrink all three 8-fold)."""
+def test_a_step_does_not_depend_on_the_micro_batch_split_or_layout(
+    learner_settings: SettingsFactory, aggregation: str
+) -> None:
+    """One packed micro-batch of everything vs one per sample (budget 16 < 2 samples) vs padded rows
+    (lengths 14..17, so rows carry padding; budget 48: micro-batches of 2 rows): the same update,
+    because the step's weights are fixed before the split, nothing divides by the count, and padding
+    is never attended to or scored. Adam's first update is ~lr * sign(g) where |g| >> eps, blind to a
+    constant factor and noisy where g ~ 0, so eps is raised to 1 (the update is then ~lr * g) and the
+    gradient norm and loss are compared too (a division by the 8 micro-batches would shrink all three
+    8-fold)."""
     batch = fixed_batch()
     after = []
-    for budget in (4096, 16):
+    for budget, layout in ((4096, "packed"), (16, "packed"), (48, "padded"), (4096, "padded")):
         trainer = Trainer(
             learner_settings(
-                micro_batch_tokens=budget, algorithm={"aggregation": aggregation}, optimizer={"lr": 1e-3, "eps": 1.0}
+                micro_batch_tokens=budget,
+                micro_batch_layout=layout,
+                algorithm={"aggregation": aggregation},
+                optimizer={"lr": 1e-3, "eps": 1.0},
             )
         )
+        assert trainer.layout == layout
         metrics = trainer.train_step(batch)
         after.append((params(trainer), metrics))
-    (one, m_one), (many, m_many) = after
-    for name in one:
-        torch.testing.assert_close(one[name], many[name], rtol=1e-4, atol=1e-9)
-    assert m_one["loss/objective"] == pytest.approx(m_many["loss/objective"], abs=1e-6)
-    assert m_one["grad_norm"] == pytest.approx(m_many["grad_norm"], rel=1e-5)
+    one, m_one = after[0]
+    for many, m_many in after[1:]:
+        for name in one:
+            torch.testing.assert_close(one[name], many[name], rtol=1e-4, atol=1e-9)
+        assert m_one["loss/objective"] == pytest.approx(m_many["loss/objective"], abs=1e-6)
+        assert m_one["grad_norm"] == pytest.approx(m_many["grad_norm"], rel=1e-5)
 
 
 def test_kl_and_entropy_terms(learner_settings: SettingsFactory) -> None:
@@ -156,7 +165,10 @@ def test_gae_trains_a_critic_toward_the_returns(learner_settings: SettingsFactor
 
     errors = [trainer.train_step(batch)["critic/value_error"] for _ in range(5)]
     assert all(later < earlier for earlier, later in itertools.pairwise(errors)), errors
-    assert not torch.equal(trainer._values(batch.samples), values)
+    trained = trainer._values(batch.samples)
+    assert not torch.equal(trained, values)
+    trainer.layout, trainer._build = "padded", pad  # the critic reads padded rows the same way
+    torch.testing.assert_close(trainer._values(batch.samples)[mask], trained[mask], rtol=1e-4, atol=1e-5)
 
 
 def test_lr_warms_up_then_decays_on_a_cosine() -> None:

@@ -161,7 +161,14 @@ class LearnerSettings(ServiceSettings):
     seed: int = Field(0, description="Seed of torch / python RNGs (saved and restored with checkpoints).")
     group_size: int = Field(8, ge=1, description="Samples per prompt, n (the agent-pool's group_size).")
     groups_per_step: int = Field(8, ge=1, description="Trajectory groups per optimizer step.")
-    micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one packed micro-batch.")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, description="Token budget of one micro-batch (padded layout: rows x longest row)."
+    )
+    micro_batch_layout: Literal["auto", "packed", "padded"] = Field(
+        "auto",
+        description="packed: sequences concatenated in one row (no padding, block-diagonal mask); padded: one "
+        "sequence per row (plain causal attention, flash kernels); auto: padded on GPU, packed on CPU.",
+    )
     max_staleness: int = Field(1, ge=0, description="Drop samples whose oldest token is more versions behind.")
     rollout: RolloutMirrorSettings = Field(
         default_factory=RolloutMirrorSettings, description="How rollouts were sampled."

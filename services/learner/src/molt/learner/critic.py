@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 
 class Critic(nn.Module):
-    """``V(prefix)`` for every position of a packed row: ``head(body(ids)[t])``, float32."""
+    """``V(prefix)`` for every position of a micro-batch: ``head(body(ids)[t])``, float32."""
 
     def __init__(self, body: nn.Module, hidden_size: int) -> None:
         super().__init__()
@@ -32,7 +32,7 @@ class Critic(nn.Module):
         critic = cls(body, int(model.config.hidden_size))
         return critic.to(next(body.parameters()).device)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """``[1, N]`` token ids and packed position ids in, ``[1, N]`` float32 values out."""
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """``[R, L]`` token ids and position ids (packed; None = 0..L-1 per row) in, ``[R, L]`` float32 values out."""
         hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return self.head(hidden.float()).squeeze(-1)

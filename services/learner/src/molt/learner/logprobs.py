@@ -1,10 +1,10 @@
-"""The forwards: per-token logprobs (and entropy) of a packed micro-batch, and the critic's values, on the
-``[B, T]`` grid.
+"""The forwards: per-token logprobs (and entropy) of a micro-batch (packed or padded), and the critic's
+values, on the ``[B, T]`` grid.
 
 The engine reports logprobs *after temperature* (vLLM's processed logprobs), so
 the learner divides the logits by the rollout temperature before the softmax;
 with any other temperature every IS ratio would be off by a systematic factor.
-Results are scattered from the packed stream back to ``[B, T]`` (next-token
+Results are scattered from the micro-batch's predicted positions back to ``[B, T]`` (next-token
 axis, 0 on padding) because the sequence-level losses and IS units in
 ``molt.algos`` work per row.
 """
@@ -41,10 +41,10 @@ def token_logprobs(
     device = next(model.parameters()).device
     out = model(
         input_ids=packed.input_ids.to(device),
-        position_ids=packed.position_ids.to(device),
+        position_ids=_positions(packed, device),
         use_cache=False,  # with a cache transformers ignores the packed position ids
     )
-    scaled = out.logits[0, packed.predict_at.to(device)].float() / temperature
+    scaled = out.logits.flatten(0, 1)[packed.predict_at.to(device)].float() / temperature
     targets = packed.targets.to(device)[:, None]
     logprobs = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     entropies = None
@@ -57,5 +57,9 @@ def token_values(critic: nn.Module, packed: Packed, rows: int) -> Tensor:
     """The critic's value of each next-token position, ``[rows, T]`` float32 (``V[b, k]``: the state in
     which token k + 1 is sampled, in line with the logprobs and the loss mask). Gradients flow."""
     device = next(critic.parameters()).device
-    values = critic(packed.input_ids.to(device), packed.position_ids.to(device))
-    return _grid(values[0, packed.predict_at.to(device)].float(), packed, rows)
+    values = critic(packed.input_ids.to(device), _positions(packed, device))
+    return _grid(values.flatten()[packed.predict_at.to(device)].float(), packed, rows)
+
+
+def _positions(packed: Packed, device: torch.device) -> Tensor | None:
+    return None if packed.position_ids is None else packed.position_ids.to(device)

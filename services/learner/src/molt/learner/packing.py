@@ -1,23 +1,32 @@
-"""Which rank trains which samples, in which packed micro-batch, and the packed tensors themselves.
+"""Which rank trains which samples, in which micro-batch, and the micro-batch tensors themselves.
 
 ``plan`` splits a step's samples over data-parallel ranks by length (longest
-first onto the least-loaded rank), then packs each rank's share into
-micro-batches of at most ``budget`` tokens, balanced by tokens. Every rank
-gets the same number of micro-batches, padding with empty ones: under FSDP
-each forward/backward is a collective, so a rank with less work must still
-take part. Every rank computes the same plan from the same global batch, so
-no coordination is needed.
+first onto the least-loaded rank), then groups each rank's share into
+micro-batches of at most ``budget`` tokens. Every rank gets the same number of
+micro-batches, padding with empty ones: under FSDP each forward/backward is a
+collective, so a rank with less work must still take part. Every rank computes
+the same plan from the same global batch, so no coordination is needed.
 
-``pack`` concatenates a micro-batch's sequences into one ``[1, N]`` row with
-position ids restarting at 0 for each sequence and no padding; transformers'
-attention masks derive the block-diagonal causal mask from the restarts
-(pinned by ``test_packed_logits_equal_separate``).
+Two layouts of a micro-batch (``[learner] micro_batch_layout``):
+
+- ``packed`` (``pack``): the sequences concatenated into one ``[1, N]`` row with
+  position ids restarting at 0 for each sequence and no padding; transformers
+  derives the block-diagonal causal mask from the restarts (pinned by
+  ``test_packed_logits_equal_separate``). No token is wasted, but the explicit
+  mask keeps SDPA off its flash kernel. Micro-batches are balanced by tokens.
+- ``padded`` (``pad``): one sequence per row, ``[R, L]``, right-padded; plain
+  causal attention needs no mask (a padding token comes after every real
+  token of its row, so no real token attends to it), so SDPA runs its flash
+  kernel on the same ``[R, L]`` shape a plain training loop uses. The budget
+  counts the padding (``R x L <= budget``); sequences of similar length share
+  a micro-batch, so little is wasted. The GPU default.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -51,21 +60,39 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int) -> l
         bins += 1
 
 
-def plan(lengths: Sequence[int], world_size: int, budget: int) -> list[list[list[int]]]:
+def padded_micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Groups ``rows``, longest first, into runs whose padded size (count x longest) fits ``budget``.
+
+    A sequence longer than the budget gets a micro-batch of its own.
+    """
+    out: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+Layout = Literal["packed", "padded"]
+
+
+def plan(lengths: Sequence[int], world_size: int, budget: int, layout: Layout = "packed") -> list[list[list[int]]]:
     """``plan[rank][micro]`` = sample indices; every rank has the same number of micro-batches (some empty)."""
     shares = _least_loaded(range(len(lengths)), lengths, world_size)
-    per_rank = [micro_batches(share, lengths, budget) for share in shares]
+    group = micro_batches if layout == "packed" else padded_micro_batches
+    per_rank = [group(share, lengths, budget) for share in shares]
     count = max(1, *(len(m) for m in per_rank))
     return [m + [[] for _ in range(count - len(m))] for m in per_rank]
 
 
 @dataclass(frozen=True)
 class Packed:
-    """One packed micro-batch: ``[1, N]`` inputs and where each sequence's predictions are."""
+    """One micro-batch of either layout: ``[R, L]`` inputs and where each sequence's predictions are."""
 
-    input_ids: Tensor  # [1, N] int64
-    position_ids: Tensor  # [1, N] int64, restarting at 0 per sequence
-    predict_at: Tensor  # [P] int64: positions whose next token is in the same sequence
+    input_ids: Tensor  # [R, L] int64 ([1, N] packed)
+    position_ids: Tensor | None  # [1, N] int64 restarting at 0 per sequence (packed); None = 0..L-1 per row
+    predict_at: Tensor  # [P] int64: flat indices into [R * L] whose next token is in the same sequence
     targets: Tensor  # [P] int64: that next token
     row: Tensor  # [P] int64: the sequence (0..B-1 within this micro-batch) of each prediction
     column: Tensor  # [P] int64: the index on that sequence's next-token axis
@@ -92,3 +119,30 @@ def pack(sequences: Sequence[Tensor]) -> Packed:
         column=position[predict_at],
         width=int(lengths.max()) - 1,
     )
+
+
+def pad(sequences: Sequence[Tensor]) -> Packed:
+    """One 1-D token tensor (>= 1 token) per row of ``[R, L]``, right-padded with token 0 (never scored)."""
+    lengths = [int(s.numel()) for s in sequences]
+    width = max(lengths)
+    input_ids = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : lengths[row]] = sequence
+    predicted = torch.tensor(lengths) - 1  # next-token predictions per row
+    row = torch.repeat_interleave(torch.arange(len(sequences)), predicted)
+    column = torch.cat([torch.arange(n) for n in predicted.tolist()])
+    predict_at = row * width + column
+    return Packed(
+        input_ids=input_ids,
+        position_ids=None,
+        predict_at=predict_at,
+        targets=input_ids.view(-1)[predict_at + 1],
+        row=row,
+        column=column,
+        width=width - 1,
+    )
+
+
+def layout_of(layout: Layout) -> Callable[[Sequence[Tensor]], Packed]:
+    """The function that builds a micro-batch of ``layout``."""
+    return pack if layout == "packed" else pad

@@ -44,13 +44,20 @@ from molt.learner.objective import (
     step_advantages,
     step_row_weights,
 )
-from molt.learner.packing import pack, plan
+from molt.learner.packing import Layout, Packed, layout_of, plan
 from molt.learner.ranks import SINGLE, RankInfo, device_for
 
 log = logging.getLogger(__name__)
 Backend = Literal["torch", "automodel"]
 # (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
 MicroLoss = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
+
+
+def resolve_layout(requested: str, device: torch.device) -> Layout:
+    """``auto``: padded rows on a GPU (flash attention, no mask), packed rows elsewhere (no padding)."""
+    if requested == "auto":
+        return "padded" if device.type == "cuda" else "packed"
+    return "padded" if requested == "padded" else "packed"
 
 
 def resolve_backend(requested: str, device: torch.device) -> Backend:
@@ -125,11 +132,16 @@ class Trainer:
         self.device = device_for(rank)
         torch.manual_seed(settings.seed)
         self.backend = resolve_backend(settings.backend, self.device)
+        self.layout: Layout = resolve_layout(settings.micro_batch_layout, self.device)
+        self._build = layout_of(self.layout)
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
         self.vocab_size = int(self.model.config.vocab_size)
         dtype = str(next(self.model.parameters()).dtype)
-        log.info("policy loaded", extra={"backend": self.backend, "dtype": dtype, "device": str(self.device)})
+        log.info(
+            "policy loaded",
+            extra={"backend": self.backend, "dtype": dtype, "device": str(self.device), "layout": self.layout},
+        )
         if rank.distributed:
             shard(self.model, rank.world_size, self.device)
         needs_reference = settings.algorithm.kl_coef > 0
@@ -225,8 +237,8 @@ class Trainer:
         assert self.critic is not None
         values = torch.zeros((len(samples), max(s.length for s in samples) - 1))
         with torch.no_grad():
-            for rows in plan([s.length for s in samples], 1, self.settings.micro_batch_tokens)[0]:
-                grid = token_values(self.critic, pack([samples[r].input_ids for r in rows]), len(rows)).cpu()
+            for rows in self._plan(samples, 1)[0]:
+                grid = token_values(self.critic, self._micro(samples, rows), len(rows)).cpu()
                 values[rows, : grid.shape[1]] = grid
         return values
 
@@ -237,11 +249,11 @@ class Trainer:
         settings = self.settings.critic
         total = float(sum(s.loss_tokens for s in samples))
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # value error, clip fraction, tokens
-        my_plan = plan([s.length for s in samples], self.rank.world_size, self.settings.micro_batch_tokens)
+        my_plan = self._plan(samples, self.rank.world_size)
         for rows in my_plan[self.rank.rank]:
             if not rows:
                 continue
-            values = token_values(self.critic, pack([samples[r].input_ids for r in rows]), len(rows))
+            values = token_values(self.critic, self._micro(samples, rows), len(rows))
             width = values.shape[1]
             mask = padded([samples[r].loss_mask for r in rows], width).to(self.device)
             per_token, stats = value_loss(
@@ -284,7 +296,7 @@ class Trainer:
             return None
         with torch.no_grad():
             logprobs, _ = token_logprobs(
-                model, pack([samples[r].input_ids for r in rows]), len(rows), self.settings.rollout.temperature
+                model, self._micro(samples, rows), len(rows), self.settings.rollout.temperature
             )
         return logprobs
 
@@ -308,7 +320,7 @@ class Trainer:
         """Forward + backward of this rank's micro-batches; returns the summed loss and token-mean stats of
         the whole step (reduced over ranks). The sums stay on the device until the end of the step: the loop
         adds no host sync per micro-batch of its own (the objective's finiteness checks still sync)."""
-        my_plan = plan([s.length for s in samples], self.rank.world_size, self.settings.micro_batch_tokens)
+        my_plan = self._plan(samples, self.rank.world_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -316,7 +328,7 @@ class Trainer:
             if not rows:
                 self._idle_backward()
                 continue
-            packed = pack([samples[r].input_ids for r in rows])
+            packed = self._micro(samples, rows)
             logprobs, entropies = token_logprobs(
                 self.model,
                 packed,
@@ -343,6 +355,12 @@ class Trainer:
         one = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
         logits = self.model(input_ids=one, position_ids=one, use_cache=False).logits
         (logits.sum() * 0.0).backward()
+
+    def _plan(self, samples: Sequence[Sample], world_size: int) -> list[list[list[int]]]:
+        return plan([s.length for s in samples], world_size, self.settings.micro_batch_tokens, self.layout)
+
+    def _micro(self, samples: Sequence[Sample], rows: list[int]) -> Packed:
+        return self._build([samples[r].input_ids for r in rows])
 
     def _sum_over_ranks(self, values: Tensor) -> Tensor:
         if self.rank.distributed:
