@@ -27,8 +27,8 @@ token, forward + backward). Diagnostics after the timed steps: peak memory, GPU
 busy time from the profiler, the optimizer step fused versus for-each, a run of
 ``--mixed`` mixed-length sequences (ours only), the same step at the learner's default
 ``micro_batch_tokens`` (``--default-budget``: two 4k sequences per micro-batch), and with
-``--compile`` ours, then plain, again with each decoder layer ``torch.compile``d (an
-experiment, not what the learner does).
+``--compile`` ours, then plain, again with each decoder layer ``torch.compile``d (for ours
+what ``[learner] compile = true`` does).
 
 ``--backend`` picks the learner's backend (``auto``: NVIDIA AutoModel where it imports, else
 transformers); "plain" is always transformers.
@@ -57,7 +57,7 @@ from molt.learner.batch import StepBatch, assemble, build_group
 from molt.learner.config import LearnerSettings, OptimizerSettings, check_sound
 from molt.learner.packing import plan
 from molt.learner.synthetic import group_of, trajectory
-from molt.learner.trainer import Trainer
+from molt.learner.trainer import Trainer, compile_layers
 
 
 def qwen2_config(args: argparse.Namespace) -> Qwen2Config:
@@ -224,11 +224,10 @@ def compile_experiment(
     flops: tuple[float, float],
     peak: float,
 ) -> None:
-    """Ours, then plain, with each decoder layer ``torch.compile``d."""
-    print("\nexperiment: each decoder layer torch.compile'd (not what the learner does)", flush=True)
+    """Ours, then plain, with each decoder layer ``torch.compile``d (ours: what ``compile = true`` does)."""
+    print("\neach decoder layer torch.compile'd (ours: compile_layers, what [learner] compile = true does)", flush=True)
     compile_started = time.perf_counter()
-    for layer in trainer.model.model.layers:
-        layer.compile()
+    compile_layers(trainer.model)
     for _ in range(args.warmup):
         ours()
     sync()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.algos.checks import check_finite, check_ids, check_same_shape, mask_as_float
+from molt.algos.checks import check_finite, check_ids, check_same_shape, deferred_checks, mask_as_float
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "molt" / "algos"
 
@@ -56,3 +56,27 @@ def test_only_torch_and_stdlib_are_imported() -> None:
                 if name.startswith("molt."):
                     assert name.startswith("molt.algos"), f"{path.name} imports {name}"
     assert not (SOURCE / "__init__.py").exists() and not (SOURCE.parent / "__init__.py").exists()
+
+
+def test_deferred_checks_raise_the_same_error_once_the_block_ends() -> None:
+    """Inside the block nothing syncs or raises; on leaving, the first failed check's own message."""
+    good = torch.zeros(2, 3)
+    bad = torch.zeros(2, 3)
+    bad[1, 2] = float("nan")
+    reached_the_end = False
+    with pytest.raises(ValueError, match=r"logprobs contains NaN at index \(1, 2\)"), deferred_checks():
+        check_finite(rewards=good)
+        check_finite(logprobs=bad)
+        mask_as_float(torch.tensor([0.0, 2.0]), torch.float32)  # also bad, but checked later
+        reached_the_end = True
+    assert reached_the_end
+    with pytest.raises(ValueError, match="loss_mask must be bool or hold only 0 and 1"), deferred_checks():
+        mask_as_float(torch.tensor([0.0, 2.0]), torch.float32)
+    with deferred_checks():  # all good: nothing raised
+        check_finite(rewards=good)
+        mask_as_float(torch.tensor([0.0, 1.0]), torch.float32)
+    with pytest.raises(KeyError), deferred_checks():  # an error inside the block propagates as it is
+        check_finite(logprobs=bad)
+        raise KeyError("first")
+    with pytest.raises(ValueError, match="logprobs contains NaN"):  # outside a block: immediate again
+        check_finite(logprobs=bad)

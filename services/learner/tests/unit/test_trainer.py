@@ -178,3 +178,21 @@ def test_lr_warms_up_then_decays_on_a_cosine() -> None:
     assert lr_factor(4, opt) == 1.0
     assert lr_factor(8, opt) == pytest.approx(0.55)
     assert lr_factor(12, opt) == pytest.approx(0.1) and lr_factor(50, opt) == pytest.approx(0.1)
+
+
+@pytest.mark.slow
+# torch's own warnings while it traces and imports inductor (the suite turns warnings into errors)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_compiled_layers_take_the_eager_step(learner_settings: SettingsFactory) -> None:
+    """``compile = true`` (inductor on CPU here, ~15 s) changes how the step runs, not what it computes."""
+    batch = fixed_batch()
+    results = []
+    for compiled in (False, True):
+        trainer = Trainer(learner_settings(compile=compiled, optimizer={"lr": 1e-3, "eps": 1.0}))
+        metrics = trainer.train_step(batch)
+        results.append((params(trainer), metrics))
+    (eager, m_eager), (compiled_params, m_compiled) = results
+    for name in eager:
+        torch.testing.assert_close(compiled_params[name], eager[name], rtol=1e-4, atol=1e-8, msg=name)
+    assert m_compiled["loss/objective"] == pytest.approx(m_eager["loss/objective"], abs=1e-6)
+    assert m_compiled["grad_norm"] == pytest.approx(m_eager["grad_norm"], rel=1e-5)

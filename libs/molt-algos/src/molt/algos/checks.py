@@ -7,14 +7,51 @@ any arithmetic. Checks cover padding too: callers pad with finite values (0).
 
 On a GPU each ``check_finite`` call costs one host sync (one ``.item()`` for all
 the tensors it is given), so the functions check once per call, not per tensor.
+Inside ``deferred_checks()`` the value checks (finiteness, 0/1 masks) record a
+device-side flag instead and are settled with one sync when the block ends,
+raising the same ``ValueError`` as an immediate check would: a training step
+wraps its forwards and backwards in it, so a bad value still stops the step
+before the optimizer, without a sync per micro-batch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
+
+# (all-good flag on the tensors' device, what raises the precise error) per deferred check.
+_Pending = list[tuple[Tensor, Callable[[], None]]]
+_DEFERRED: ContextVar[_Pending | None] = ContextVar("molt_algos_deferred_checks", default=None)
+
+
+@contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Value checks inside the block are settled together when it ends without an exception: one host
+    sync, then the first failed check's own ``ValueError``."""
+    pending: _Pending = []
+    token = _DEFERRED.set(pending)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+    if pending and not bool(torch.stack([flag.to(pending[0][0].device) for flag, _ in pending]).all().item()):
+        for flag, raise_error in pending:
+            if not bool(flag.item()):
+                raise_error()
+
+
+def _check_or_defer(flag: Tensor, raise_error: Callable[[], None]) -> None:
+    pending = _DEFERRED.get()
+    if pending is None:
+        if not bool(flag.item()):
+            raise_error()
+    else:
+        pending.append((flag, raise_error))
 
 
 def _index(flat: int, shape: torch.Size) -> str:
@@ -37,8 +74,10 @@ def check_finite(**tensors: Tensor) -> None:
     if not floats:
         return
     all_finite = torch.stack([torch.isfinite(t).all() for t in floats.values()]).all()
-    if bool(all_finite.item()):
-        return
+    _check_or_defer(all_finite, lambda: _raise_first_non_finite(floats))
+
+
+def _raise_first_non_finite(floats: dict[str, Tensor]) -> None:
     for name, t in floats.items():
         bad = (~torch.isfinite(t)).flatten().nonzero()
         if bad.numel():
@@ -82,9 +121,12 @@ def mask_as_float(loss_mask: Tensor, dtype: torch.dtype) -> Tensor:
     """``loss_mask`` (bool, or numbers that are all 0/1) as ``dtype``; anything else is a ``ValueError``."""
     if loss_mask.dtype != torch.bool:
         check_finite(loss_mask=loss_mask)
-        if not bool(((loss_mask == 0) | (loss_mask == 1)).all().item()):
-            raise ValueError("loss_mask must be bool or hold only 0 and 1")
+        _check_or_defer(((loss_mask == 0) | (loss_mask == 1)).all(), _raise_bad_mask)
     return loss_mask.detach().to(dtype)
+
+
+def _raise_bad_mask() -> None:
+    raise ValueError("loss_mask must be bool or hold only 0 and 1")
 
 
 def check_band(low: float, high: float, low_name: str = "low", high_name: str = "high") -> None:

@@ -164,6 +164,11 @@ class LearnerSettings(ServiceSettings):
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget of one micro-batch (padded layout: rows x longest row)."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer of the policy: far less host time per step on a GPU; the "
+        "first steps (and new shapes) pay the compile.",
+    )
     micro_batch_layout: Literal["auto", "packed", "padded"] = Field(
         "auto",
         description="packed: sequences concatenated in one row (no padding, block-diagonal mask); padded: one "

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from molt.algos.aggregation import masked_mean, token_mean
+from molt.algos.checks import deferred_checks
 from molt.algos.losses import value_loss
 from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
@@ -115,6 +116,18 @@ def shard(model: PreTrainedModel, world_size: int, device: torch.device) -> None
     fully_shard(model, mesh=mesh)
 
 
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer (after FSDP2 wrapped it): fewer, fused kernels and far less
+    host time per step; the first steps of each new shape pay the compile (dynamic shapes after that)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ConfigError(
+            f"compile = true needs the decoder layers at model.model.layers; {type(model).__name__} has none"
+        )
+    for layer in layers:
+        layer.compile()
+
+
 def lr_factor(step: int, opt: OptimizerSettings) -> float:
     """Linear warm-up over ``warmup_steps`` then cosine from 1 to ``min_lr_ratio`` at ``total_steps``."""
     if step < opt.warmup_steps:
@@ -144,6 +157,8 @@ class Trainer:
         )
         if rank.distributed:
             shard(self.model, rank.world_size, self.device)
+        if settings.compile:
+            compile_layers(self.model)
         needs_reference = settings.algorithm.kl_coef > 0
         self.reference = load(settings.model_path, trainable=False) if needs_reference else None
         teacher = settings.algorithm.teacher_path
@@ -319,31 +334,34 @@ class Trainer:
     ) -> tuple[float, dict[str, float]]:
         """Forward + backward of this rank's micro-batches; returns the summed loss and token-mean stats of
         the whole step (reduced over ranks). The sums stay on the device until the end of the step: the loop
-        adds no host sync per micro-batch of its own (the objective's finiteness checks still sync)."""
+        adds no host sync per micro-batch of its own, and the objective's value checks are settled once, after
+        the last backward and before any optimizer step."""
         my_plan = self._plan(samples, self.rank.world_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        for rows in my_plan[self.rank.rank]:
-            if not rows:
-                self._idle_backward()
-                continue
-            packed = self._micro(samples, rows)
-            logprobs, entropies = token_logprobs(
-                self.model,
-                packed,
-                len(rows),
-                temperature,
-                entropy=entropy,
-                entropy_grad=self.settings.algorithm.entropy_coef > 0,
-            )
-            loss, stats = loss_of(rows, logprobs, entropies)
-            loss.backward()
-            count = float(sum(samples[r].loss_tokens for r in rows))
-            total += loss.detach().double() / self.rank.world_size
-            tokens += count
-            for name, value in stats.items():
-                sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64, device=self.device)) + value * count
+        with deferred_checks():  # molt.algos' value checks: one sync after the last backward, not one per call
+            for rows in my_plan[self.rank.rank]:
+                if not rows:
+                    self._idle_backward()
+                    continue
+                packed = self._micro(samples, rows)
+                logprobs, entropies = token_logprobs(
+                    self.model,
+                    packed,
+                    len(rows),
+                    temperature,
+                    entropy=entropy,
+                    entropy_grad=self.settings.algorithm.entropy_coef > 0,
+                )
+                loss, stats = loss_of(rows, logprobs, entropies)
+                loss.backward()
+                count = float(sum(samples[r].loss_tokens for r in rows))
+                total += loss.detach().double() / self.rank.world_size
+                tokens += count
+                for name, value in stats.items():
+                    zero = torch.zeros((), dtype=torch.float64, device=self.device)
+                    sums[name] = sums.get(name, zero) + value * count
         names = sorted(sums)
         reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
         count = float(reduced[1].clamp(min=1))
