@@ -98,6 +98,11 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
     span = timed[-1]["time"] - timed[0]["time"]
     samples = sum(row["samples"] for row in timed[1:])
     steps = [b["time"] - a["time"] for a, b in itertools.pairwise(timed)]
+    refits = [
+        json.loads(line)["seconds"]
+        for line in (run_dir / "logs" / "learner.log").read_text(errors="replace").splitlines()
+        if '"refit done"' in line
+    ][args.skip :]
     return {
         "workload": workload,
         "mode": mode,
@@ -106,6 +111,8 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "seconds": span,
         "samples_per_s": samples / span,
         "step_s_median": statistics.median(steps),
+        "train_s_median": statistics.median(row["step_seconds"] for row in timed[1:]),
+        "refit_s_median": statistics.median(refits) if refits else float("nan"),
         "staleness_mean": statistics.fmean(row["staleness/mean"] for row in timed[1:]),
         "response_len_mean": statistics.fmean(row["response_length/mean"] for row in timed[1:]),
         "response_len_max": max(row["response_length/max"] for row in timed[1:]),
@@ -121,6 +128,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
     parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode (>= 1)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--keep", type=Path, help="put the run directories here and keep them (default: a temp dir)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run (repeatable)"
     )
@@ -138,15 +146,21 @@ def main() -> None:
     )
     results = []
     with tempfile.TemporaryDirectory(prefix="molt-bench-async-") as tmp:
+        workdir = args.keep or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         for workload in workloads:
-            pair = {mode: run_loop(Path(tmp), workload, mode, args) for mode in ("sync", "async")}
+            pair = {mode: run_loop(workdir, workload, mode, args) for mode in ("sync", "async")}
             results += pair.values()
             print(f"\n[{workload}]")
-            print(f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'staleness':>9} {'resp len':>9} {'max len':>8}")
+            print(
+                f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} {'staleness':>9} "
+                f"{'resp len':>9} {'max len':>8}"
+            )
             for mode, r in pair.items():
                 print(
-                    f"  {mode:6} {r['samples_per_s']:10.2f} {r['step_s_median']:8.2f} {r['staleness_mean']:9.2f} "
-                    f"{r['response_len_mean']:9.1f} {r['response_len_max']:8.0f}"
+                    f"  {mode:6} {r['samples_per_s']:10.2f} {r['step_s_median']:8.2f} {r['train_s_median']:8.2f} "
+                    f"{r['refit_s_median']:8.2f} {r['staleness_mean']:9.2f} {r['response_len_mean']:9.1f} "
+                    f"{r['response_len_max']:8.0f}"
                 )
             ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
             print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)

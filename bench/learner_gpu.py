@@ -12,7 +12,7 @@ and both sides load it from there.
   ``TrajectoryGroup`` protos (``molt.learner.synthetic``) -> ``build_group`` ->
   ``assemble``. One step is GRPO advantages and row weights over the step, then per
   micro-batch (``--micro-batch-tokens``, default one micro-batch of the whole step;
-  ``--layout``, default the learner's: padded rows on a GPU) the logprob recompute
+  ``--layout``, default the learner's: padded rows) the logprob recompute
   (``logprobs.token_logprobs``, with the logged entropy), the PPO/IS objective of
   ``molt.algos`` (``objective.micro_loss``) and a backward, then grad-norm clipping,
   AdamW and the LR schedule.

@@ -171,8 +171,8 @@ class LearnerSettings(ServiceSettings):
     )
     micro_batch_layout: Literal["auto", "packed", "padded"] = Field(
         "auto",
-        description="packed: sequences concatenated in one row (no padding, block-diagonal mask); padded: one "
-        "sequence per row (plain causal attention, flash kernels); auto: padded on GPU, packed on CPU.",
+        description="padded (auto): one sequence per row, plain causal attention (flash kernels on GPU); packed: "
+        "sequences concatenated in one row, no padding but a dense block-diagonal mask (attention ~ total^2).",
     )
     max_staleness: int = Field(1, ge=0, description="Drop samples whose oldest token is more versions behind.")
     rollout: RolloutMirrorSettings = Field(

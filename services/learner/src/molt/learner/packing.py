@@ -19,7 +19,9 @@ Two layouts of a micro-batch (``[learner] micro_batch_layout``):
   token of its row, so no real token attends to it), so SDPA runs its flash
   kernel on the same ``[R, L]`` shape a plain training loop uses. The budget
   counts the padding (``R x L <= budget``); sequences of similar length share
-  a micro-batch, so little is wasted. The GPU default.
+  a micro-batch, so little is wasted. The default (``auto``): with SDPA the
+  packed row's dense mask makes attention cost (total tokens)^2 instead of the
+  sum of each sequence's length^2.
 """
 
 from __future__ import annotations

@@ -54,11 +54,11 @@ Backend = Literal["torch", "automodel"]
 MicroLoss = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
 
 
-def resolve_layout(requested: str, device: torch.device) -> Layout:
-    """``auto``: padded rows on a GPU (flash attention, no mask), packed rows elsewhere (no padding)."""
-    if requested == "auto":
-        return "padded" if device.type == "cuda" else "packed"
-    return "padded" if requested == "padded" else "packed"
+def resolve_layout(requested: str) -> Layout:
+    """``auto`` is ``padded``: with SDPA a packed row gets a dense block-diagonal mask, so its attention
+    costs (total tokens)^2 instead of the sum of each sequence's length^2 (and loses the flash kernel on a
+    GPU); measured 3.4x slower per step on CPU for 32 sequences of 70 tokens (bench/RESULTS.md)."""
+    return "packed" if requested == "packed" else "padded"
 
 
 def resolve_backend(requested: str, device: torch.device) -> Backend:
@@ -145,7 +145,7 @@ class Trainer:
         self.device = device_for(rank)
         torch.manual_seed(settings.seed)
         self.backend = resolve_backend(settings.backend, self.device)
-        self.layout: Layout = resolve_layout(settings.micro_batch_layout, self.device)
+        self.layout: Layout = resolve_layout(settings.micro_batch_layout)
         self._build = layout_of(self.layout)
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
