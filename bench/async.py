@@ -113,6 +113,7 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "step_s_median": statistics.median(steps),
         "train_s_median": statistics.median(row["step_seconds"] for row in timed[1:]),
         "refit_s_median": statistics.median(refits) if refits else float("nan"),
+        "wait_s_median": statistics.median(row.get("wait_seconds", float("nan")) for row in timed[1:]),
         "staleness_mean": statistics.fmean(row["staleness/mean"] for row in timed[1:]),
         "response_len_mean": statistics.fmean(row["response_length/mean"] for row in timed[1:]),
         "response_len_max": max(row["response_length/max"] for row in timed[1:]),
@@ -153,13 +154,14 @@ def main() -> None:
             results += pair.values()
             print(f"\n[{workload}]")
             print(
-                f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} {'staleness':>9} "
-                f"{'resp len':>9} {'max len':>8}"
+                f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} {'wait s':>7} "
+                f"{'staleness':>9} {'resp len':>9} {'max len':>8}"
             )
             for mode, r in pair.items():
                 print(
                     f"  {mode:6} {r['samples_per_s']:10.2f} {r['step_s_median']:8.2f} {r['train_s_median']:8.2f} "
-                    f"{r['refit_s_median']:8.2f} {r['staleness_mean']:9.2f} {r['response_len_mean']:9.1f} "
+                    f"{r['refit_s_median']:8.2f} {r['wait_s_median']:7.2f} {r['staleness_mean']:9.2f} "
+                    f"{r['response_len_mean']:9.1f} "
                     f"{r['response_len_max']:8.0f}"
                 )
             ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]

@@ -111,6 +111,7 @@ class LearnerLoop:
         self.state = RunState()
         self.ready: list[ReadyGroup] = []
         self.settled: list[str] = []  # entry ids whose use is decided, acknowledged at the next checkpoint
+        self.waited_s = 0.0  # time blocked on the queue since the last step: > 0 means the rollouts are behind
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint_step = -1
         self.last_step_time: float | None = None
@@ -199,7 +200,9 @@ class LearnerLoop:
             # up to its count: ask for all of them (the surplus waits in self.ready).
             need = max(need, self.queue.stats().pending)
             self._pending_reread = False
+        started = time.monotonic()
         entries = self.queue.read(count=need, block_s=self.settings.poll_s)
+        self.waited_s += time.monotonic() - started
         if entries:
             clock.arrived()
         needs_groups = self.settings.algorithm.estimator in GROUP_ESTIMATORS
@@ -251,7 +254,8 @@ class LearnerLoop:
             return
         batch = assemble(samples)
         self._broadcast(("step", batch))
-        step_metrics = self.trainer.train_step(batch)
+        step_metrics = {**self.trainer.train_step(batch), "wait_seconds": self.waited_s}
+        self.waited_s = 0.0
         step = self.trainer.step
         with self._lock:
             for tid in batch.trajectory_ids:
