@@ -30,7 +30,7 @@ from molt.learner.checkpoint import Checkpoints
 from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop, OnStep
 from molt.learner.metrics import MetricsLog
-from molt.learner.ranks import RankInfo, init_group, leave_group
+from molt.learner.ranks import RankInfo, finish_together, init_group, leave_group
 from molt.learner.refit import WeightPublisher
 from molt.learner.server import LearnerServicer
 from molt.learner.trainer import Trainer
@@ -99,6 +99,7 @@ def run_rank(
             follower = LearnerLoop(settings, trainer, checkpoints, rank=info)
             follower.resume()
             follower.follow()
+            finish_together(info)
             return
         client = redis.Redis.from_url(settings.run.redis_url)
         queue = TrajectoryQueue(client, settings.run.run_id, consumer=f"learner-{rank}")
@@ -111,6 +112,7 @@ def run_rank(
         if on_loop is not None:
             on_loop(loop)
         asyncio.run(serve(settings, loop, handle_signals=on_loop is None))
+        finish_together(info)
     finally:
         leave_group()
 
