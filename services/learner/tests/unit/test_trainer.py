@@ -16,7 +16,7 @@ from molt.learner.batch import StepBatch, assemble, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.logprobs import token_logprobs
 from molt.learner.objective import gae_targets, step_advantages
-from molt.learner.packing import pack, pad
+from molt.learner.packing import pack
 from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer, lr_factor
 
@@ -167,7 +167,7 @@ def test_gae_trains_a_critic_toward_the_returns(learner_settings: SettingsFactor
     assert all(later < earlier for earlier, later in itertools.pairwise(errors)), errors
     trained = trainer._values(batch.samples)
     assert not torch.equal(trained, values)
-    trainer.layout, trainer._build = "padded", pad  # the critic reads padded rows the same way
+    trainer.layout = "padded"  # the critic reads padded rows the same way
     torch.testing.assert_close(trainer._values(batch.samples)[mask], trained[mask], rtol=1e-4, atol=1e-5)
 
 

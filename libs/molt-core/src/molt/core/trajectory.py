@@ -17,19 +17,6 @@ from molt.v1 import common_pb2
 
 def trajectory_problems(trajectory: common_pb2.Trajectory) -> list[str]:
     """Every way ``trajectory`` breaks the contract in common.proto; empty when valid."""
-    n = len(trajectory.response_token_ids)
-    lengths = (len(trajectory.rollout_logprobs), len(trajectory.loss_mask), len(trajectory.policy_versions))
-    # The common case in one expression: every producer's group passes through here twice (put and read).
-    if (
-        trajectory.trajectory_id
-        and trajectory.rollout_id
-        and trajectory.segment_index >= 0
-        and trajectory.prompt_token_ids
-        and lengths == (n, n, n)
-        and not trajectory.routed_expert_ids
-        and math.isfinite(trajectory.reward)
-    ):
-        return []
     problems: list[str] = []
     name = trajectory.trajectory_id or "<no trajectory_id>"
     if not trajectory.trajectory_id:
@@ -40,7 +27,9 @@ def trajectory_problems(trajectory: common_pb2.Trajectory) -> list[str]:
         problems.append(f"{name}: segment_index {trajectory.segment_index} < 0")
     if not trajectory.prompt_token_ids:
         problems.append(f"{name}: prompt_token_ids is empty")
-    for field, length in zip(("rollout_logprobs", "loss_mask", "policy_versions"), lengths, strict=True):
+    n = len(trajectory.response_token_ids)
+    for field in ("rollout_logprobs", "loss_mask", "policy_versions"):
+        length = len(getattr(trajectory, field))
         if length != n:
             problems.append(f"{name}: {field} has {length} entries, response_token_ids has {n}")
     if trajectory.routed_expert_ids:

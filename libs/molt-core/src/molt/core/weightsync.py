@@ -234,11 +234,8 @@ class WeightGroup:
         else:
             raise ValueError(f"unknown weight-group backend {backend!r} (nccl or gloo)")
 
-    def broadcast(self, buffer: torch.Tensor) -> None:
-        """Broadcasts ``buffer`` in place from rank 0."""
-        self._wait(self._start(buffer), buffer)
-
     def _start(self, buffer: torch.Tensor) -> dist.Work:
+        """Starts broadcasting ``buffer`` in place from rank 0."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         return self.group.broadcast([buffer], opts)

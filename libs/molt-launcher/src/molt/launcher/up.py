@@ -211,7 +211,8 @@ class Launch:
             address = connect_address(settings.listen)  # type: ignore[attr-defined]
             args = [script(SERVICES[name][1]), "--config", str(self.config_path)]
             # A learner placed by Ray is only its driver here; Ray gives each rank its GPU.
-            gpus = self.plan.gpus("learner", 0) if name == "learner" and settings.placement == "local" else None  # type: ignore[attr-defined]
+            placed_here = name == "learner" and self.recipe.learner.placement == "local"
+            gpus = self.plan.gpus("learner", 0) if placed_here else None
             if name == "learner" and self.plan.gpus_per_node == 0 and not self.recipe.learner.cpu_threads:
                 # A CPU rank reserves one CPU in the plan. torch's default (a thread per core) would also
                 # run on the engine's core and oversubscribe it: 1.85x slower steps on 2 cores (bench/async.py).

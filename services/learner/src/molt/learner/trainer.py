@@ -146,7 +146,6 @@ class Trainer:
         torch.manual_seed(settings.seed)
         self.backend = resolve_backend(settings.backend, self.device)
         self.layout: Layout = resolve_layout(settings.micro_batch_layout)
-        self._build = layout_of(self.layout)
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
         self.vocab_size = int(self.model.config.vocab_size)
@@ -378,7 +377,7 @@ class Trainer:
         return plan([s.length for s in samples], world_size, self.settings.micro_batch_tokens, self.layout)
 
     def _micro(self, samples: Sequence[Sample], rows: list[int]) -> Packed:
-        return self._build([samples[r].input_ids for r in rows])
+        return layout_of(self.layout)([samples[r].input_ids for r in rows])
 
     def _sum_over_ranks(self, values: Tensor) -> Tensor:
         if self.rank.distributed:
