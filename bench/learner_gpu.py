@@ -57,7 +57,7 @@ from molt.learner.batch import StepBatch, assemble, build_group
 from molt.learner.config import LearnerSettings, OptimizerSettings, check_sound
 from molt.learner.packing import plan
 from molt.learner.synthetic import group_of, trajectory
-from molt.learner.trainer import Trainer, compile_layers
+from molt.learner.trainer import Trainer
 
 
 def qwen2_config(args: argparse.Namespace) -> Qwen2Config:
@@ -149,9 +149,14 @@ def flops_per_step(params: int, layers: int, hidden: int, lengths: list[int]) ->
     return dense, attention
 
 
-def gpu_busy(fn: Callable[[], object]) -> tuple[float, float, int, list[tuple[str, float, int]]]:
-    """(wall s, summed GPU kernel + copy time s, device events, top kernels by time) of one call under the
-    profiler. One stream, so the kernels do not overlap and wall - busy is the time the GPU sat idle."""
+Scopes = dict[str, list[float]]  # trainer scope -> [host s, GPU idle s within it]
+
+
+def gpu_busy(fn: Callable[[], object]) -> tuple[float, float, int, list[tuple[str, float, int]], Scopes, list[str]]:
+    """(wall s, summed GPU kernel + copy time s, device events, top kernels by time, per trainer scope) of one
+    call under the profiler. One stream, so the kernels do not overlap and wall - busy is the time the GPU sat
+    idle. Scopes are the trainer's ``record_function("molt/...")`` blocks: ``[host s, GPU idle s within it]``;
+    gaps the four longest stretches of GPU idle time, each with the host operators running during it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -162,16 +167,71 @@ def gpu_busy(fn: Callable[[], object]) -> tuple[float, float, int, list[tuple[st
         sync()
         wall = time.perf_counter() - started
     kernels: dict[str, list[float]] = {}
+    spans: list[tuple[float, float]] = []
     for event in prof.events():
-        if event.device_type != DeviceType.CUDA or event.name == "Command Buffer Full":
+        # Not kernels: the profiler's buffer marker, and the trainer's scopes mirrored on the device's timeline.
+        if event.device_type != DeviceType.CUDA or event.name.startswith(("Command Buffer Full", "molt/")):
             continue
         entry = kernels.setdefault(event.name, [0.0, 0])
         entry[0] += event.time_range.elapsed_us() / 1e6
         entry[1] += 1
+        spans.append((event.time_range.start, event.time_range.end))
     busy = sum(v[0] for v in kernels.values())
     count = int(sum(v[1] for v in kernels.values()))
     top = sorted(((k, v[0], int(v[1])) for k, v in kernels.items()), key=lambda r: -r[1])
-    return wall, busy, count, top[:8]
+    union: list[list[float]] = []
+    for start, end in sorted(spans):
+        if union and start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], end)
+        else:
+            union.append([start, end])
+    scopes: Scopes = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CPU or not event.name.startswith("molt/"):
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+        entry = scopes.setdefault(event.name, [0.0, 0.0])
+        entry[0] += (end - start) / 1e6
+        entry[1] += (end - start - covered) / 1e6
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU and not e.name.startswith("molt/")]
+    edges = [(min(e.time_range.start for e in cpu), union[0][0])] if cpu and union else []
+    edges += [(union[i][1], union[i + 1][0]) for i in range(len(union) - 1)]
+    gaps = []
+    for a, b in sorted(edges, key=lambda g: g[0] - g[1])[:4]:
+        # The host operators running while the GPU waited: the largest overlap first, inner ones before outer.
+        ops = sorted(
+            ((min(b, e.time_range.end) - max(a, e.time_range.start), e.time_range.elapsed_us(), e.name) for e in cpu),
+            key=lambda r: (-r[0], r[1]),
+        )
+        names = ", ".join(f"{name[:40]} {overlap / 1e3:.1f}" for overlap, _, name in ops[:5] if overlap > 0)
+        gaps.append(f"{(b - a) / 1e3:.1f} ms idle at +{(a - edges[0][0]) / 1e3:.1f} ms: {names}")
+    return wall, busy, count, top[:8], scopes, gaps
+
+
+def profile_report(name: str, fn: Callable[[], object]) -> None:
+    """One profiled call of ``fn``: peak memory, GPU busy and idle, top kernels, and where the GPU idled."""
+    torch.cuda.reset_peak_memory_stats()
+    timed(fn)
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    try:
+        wall, busy, count, top, scopes, gaps = gpu_busy(fn)
+    except Exception as exc:  # a diagnostic: never lose the rest of the run to it
+        print(f"  {name}: profiler failed: {exc!r}")
+        return
+    print(
+        f"  {name}: peak memory {peak_mem:.1f} GiB; profiled wall {wall:.4f} s, {count} kernels/copies "
+        f"taking {busy:.4f} s ({busy / wall * 100:.1f}% busy, GPU idle {wall - busy:.4f} s)"
+    )
+    for key, seconds, calls in top:
+        print(f"      {seconds * 1e3:8.2f} ms  x{calls:<5} {key[:90]}")
+    if scopes:
+        print(
+            "      trainer scopes (host ms / GPU idle ms within): "
+            + ", ".join(f"{scope[5:]} {host * 1e3:.1f}/{idle * 1e3:.1f}" for scope, (host, idle) in scopes.items())
+        )
+    for gap in gaps:
+        print(f"      {gap} (host ops, ms of overlap)")
 
 
 def optimizer_times(model: torch.nn.Module, reps: int) -> dict[str, float]:
@@ -224,10 +284,11 @@ def compile_experiment(
     flops: tuple[float, float],
     peak: float,
 ) -> None:
-    """Ours, then plain, with each decoder layer ``torch.compile``d (ours: what ``compile = true`` does)."""
-    print("\neach decoder layer torch.compile'd (ours: compile_layers, what [learner] compile = true does)", flush=True)
+    """Ours, then plain, with each decoder layer ``torch.compile``d (ours also its logprob head:
+    ``Trainer.compile``, what ``compile = true`` does)."""
+    print("\neach decoder layer torch.compile'd, and ours' logprob head (Trainer.compile, what compile = true does)")
     compile_started = time.perf_counter()
-    compile_layers(trainer.model)
+    trainer.compile()
     for _ in range(args.warmup):
         ours()
     sync()
@@ -249,6 +310,10 @@ def compile_experiment(
         f"ratio ours compiled / plain: {c['tokens_per_s'] / p['tokens_per_s']:.3f}; "
         f"ours compiled / plain compiled: {c['tokens_per_s'] / pc['tokens_per_s']:.3f}"
     )
+    if CUDA:
+        print("diagnostics, compiled (one step each)")
+        profile_report("ours, compiled", ours)
+        profile_report("plain, compiled", plain_step)
 
 
 def main() -> None:
@@ -367,20 +432,7 @@ def main() -> None:
 
     print("\ndiagnostics (one step each; the profiler adds host overhead to the wall time)")
     for name, fn in (("ours", ours), ("plain", plain_step)) if CUDA else ():
-        torch.cuda.reset_peak_memory_stats()
-        timed(fn)
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30
-        try:
-            wall, busy, count, top = gpu_busy(fn)
-        except Exception as exc:  # a diagnostic: never lose the rest of the run to it
-            print(f"  {name}: profiler failed: {exc!r}")
-            continue
-        print(
-            f"  {name}: peak memory {peak_mem:.1f} GiB; profiled wall {wall:.4f} s, {count} kernels/copies "
-            f"taking {busy:.4f} s ({busy / wall * 100:.1f}% busy, GPU idle {wall - busy:.4f} s)"
-        )
-        for key, seconds, count in top:
-            print(f"      {seconds * 1e3:8.2f} ms  x{count:<5} {key[:90]}")
+        profile_report(name, fn)
     trainer.optimizer.zero_grad(set_to_none=True)
     opt_times = optimizer_times(plain, 5)
     print(

@@ -45,7 +45,7 @@ def test_pack_restarts_positions_and_scores_only_in_sequence_tokens() -> None:
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert packed.predict_at.tolist() == [0, 1, 3]
-    assert packed.targets.tolist() == [6, 7, 9]
+    assert packed.input_ids.view(-1)[packed.predict_at + 1].tolist() == [6, 7, 9]  # the next tokens
     assert packed.row.tolist() == [0, 0, 1] and packed.column.tolist() == [0, 1, 0]
     assert packed.width == 2
 
@@ -65,7 +65,7 @@ def test_pad_puts_one_sequence_per_row_and_scores_only_real_tokens() -> None:
     assert padded.input_ids.tolist() == [[5, 6, 7], [8, 9, 0]]
     assert padded.position_ids is None
     assert padded.predict_at.tolist() == [0, 1, 3]  # flat indices into [2 x 3]
-    assert padded.targets.tolist() == [6, 7, 9]
+    assert padded.input_ids.view(-1)[padded.predict_at + 1].tolist() == [6, 7, 9]
     assert padded.row.tolist() == [0, 0, 1] and padded.column.tolist() == [0, 1, 0]
     assert padded.width == 2
 

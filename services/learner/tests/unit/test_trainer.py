@@ -196,3 +196,4 @@ def test_compiled_layers_take_the_eager_step(learner_settings: SettingsFactory) 
         torch.testing.assert_close(compiled_params[name], eager[name], rtol=1e-4, atol=1e-8, msg=name)
     assert m_compiled["loss/objective"] == pytest.approx(m_eager["loss/objective"], abs=1e-6)
     assert m_compiled["grad_norm"] == pytest.approx(m_eager["grad_norm"], rel=1e-5)
+    assert m_compiled["entropy"] == pytest.approx(m_eager["entropy"], rel=1e-5)  # the compiled logprob head

@@ -189,9 +189,17 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     with ``torch.finfo(dtype).min``, not -inf).
     """
     check_float(logits=logits)
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    entropy = entropy_from_logprobs(torch.log_softmax(logits.float(), dim=-1))
     if not bool(torch.isfinite(entropy.detach()).all().item()):
         check_finite(logits=logits)  # only on failure: a full scan over the vocabulary is costly
         raise ValueError("logits gave a non-finite entropy")
     return entropy
+
+
+def entropy_from_logprobs(logprobs: Tensor) -> Tensor:
+    """``H = -sum_v exp(l_v) * l_v`` from a full log-distribution ``l = log_softmax(z)``. ``[..., V] -> [...]``.
+
+    No checks and no host sync: for callers that already hold the log-softmax (the learner's fused logprob
+    head, which may run under ``torch.compile``) and check the result themselves.
+    """
+    return -(logprobs.exp() * logprobs).sum(-1)

@@ -166,8 +166,9 @@ class LearnerSettings(ServiceSettings):
     )
     compile: bool = Field(
         False,
-        description="torch.compile each decoder layer of the policy: far less host time per step on a GPU; the "
-        "first steps (and new shapes) pay the compile.",
+        description="torch.compile each decoder layer of the policy and the logprob head (log-softmax, the "
+        "picked token, entropy fused): fewer kernels and float32 passes over the vocabulary; the first steps (and "
+        "new shapes) pay the compile.",
     )
     micro_batch_layout: Literal["auto", "packed", "padded"] = Field(
         "auto",

@@ -11,16 +11,43 @@ axis, 0 on padding) because the sequence-level losses and IS units in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-from molt.algos.losses import entropy_from_logits
+from molt.algos.checks import check_finite
+from molt.algos.losses import entropy_from_logprobs
 from molt.learner.packing import Packed
+from molt.learner.ranks import to_device
+
+# (logits [N, V], targets [N], temperature, entropy, entropy_grad) -> (logprobs [N], entropy [N] or None)
+Head = Callable[[Tensor, Tensor, float, bool, bool], tuple[Tensor, Tensor | None]]
+
+
+def next_token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float, entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``log p(target)`` with ``log p = log_softmax(logits / temperature)`` in float32, ``[N, V] -> [N]``,
+    and with ``entropy`` ``H = -sum_v p_v log p_v`` of the same distribution (one ``log_softmax`` for
+    both; gradients through ``H`` only with ``entropy_grad``). Pure tensor math with no host sync, so
+    ``compile = true`` can hand it to ``torch.compile``, which fuses the float32 passes over ``[N, V]``."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    picked = logp.gather(-1, targets[:, None]).squeeze(-1)
+    if not entropy:
+        return picked, None
+    source = logp if entropy_grad else logp.detach()
+    return picked, entropy_from_logprobs(source)
+
+
+def compiled_head() -> Head:
+    """``next_token_logprobs`` through ``torch.compile`` (dynamic shapes: micro-batches vary in size)."""
+    return torch.compile(next_token_logprobs, dynamic=True)  # type: ignore[return-value]
 
 
 def _grid(values: Tensor, packed: Packed, rows: int) -> Tensor:
     grid = torch.zeros((rows, packed.width), dtype=values.dtype, device=values.device)
-    return grid.index_put((packed.row.to(values.device), packed.column.to(values.device)), values)
+    return grid.index_put((to_device(packed.row, values.device), to_device(packed.column, values.device)), values)
 
 
 def token_logprobs(
@@ -31,35 +58,41 @@ def token_logprobs(
     *,
     entropy: bool = False,
     entropy_grad: bool = False,
+    head: Head = next_token_logprobs,
 ) -> tuple[Tensor, Tensor | None]:
     """``log softmax(logits / temperature)`` of each next token, ``[rows, T]`` float32, and optionally
     the entropy of each next-token distribution (same grid). Gradients flow through the logprobs, and
     through the entropy only with ``entropy_grad`` (a bonus term; for logging it is detached).
 
-    Only predicted positions are scored, so the ``[P, V]`` float32 logits are the peak memory.
+    Every position of the micro-batch is scored against the token after it (the few that predict
+    nothing - a sequence's last token, padding - are dropped afterwards, a gather of ``[R * L]``
+    scalars), so no ``[P, V]`` copy of the logits is made, nor its scatter back in the backward.
+    The float32 ``[R * L, V]`` log-softmax is the peak memory. A non-finite entropy raises
+    ``ValueError`` (deferred inside ``molt.algos.checks.deferred_checks``).
     """
     device = next(model.parameters()).device
+    input_ids = to_device(packed.input_ids, device)
     out = model(
-        input_ids=packed.input_ids.to(device),
+        input_ids=input_ids,
         position_ids=_positions(packed, device),
         use_cache=False,  # with a cache transformers ignores the packed position ids
     )
-    scaled = out.logits.flatten(0, 1)[packed.predict_at.to(device)].float() / temperature
-    targets = packed.targets.to(device)[:, None]
-    logprobs = scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    entropies = None
-    if entropy:
-        entropies = _grid(entropy_from_logits(scaled if entropy_grad else scaled.detach()), packed, rows)
-    return _grid(logprobs, packed, rows), entropies
+    targets = torch.roll(input_ids.flatten(), -1)  # the next token of each position (wrapping where unused)
+    picked, entropies = head(out.logits.flatten(0, 1), targets, temperature, entropy, entropy_grad)
+    at = to_device(packed.predict_at, device)
+    if entropies is not None:
+        entropies = _grid(entropies[at], packed, rows)
+        check_finite(entropy=entropies)
+    return _grid(picked[at], packed, rows), entropies
 
 
 def token_values(critic: nn.Module, packed: Packed, rows: int) -> Tensor:
     """The critic's value of each next-token position, ``[rows, T]`` float32 (``V[b, k]``: the state in
     which token k + 1 is sampled, in line with the logprobs and the loss mask). Gradients flow."""
     device = next(critic.parameters()).device
-    values = critic(packed.input_ids.to(device), _positions(packed, device))
-    return _grid(values.flatten()[packed.predict_at.to(device)].float(), packed, rows)
+    values = critic(to_device(packed.input_ids, device), _positions(packed, device))
+    return _grid(values.flatten()[to_device(packed.predict_at, device)].float(), packed, rows)
 
 
 def _positions(packed: Packed, device: torch.device) -> Tensor | None:
-    return None if packed.position_ids is None else packed.position_ids.to(device)
+    return None if packed.position_ids is None else to_device(packed.position_ids, device)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -90,59 +91,62 @@ def plan(lengths: Sequence[int], world_size: int, budget: int, layout: Layout = 
 
 @dataclass(frozen=True)
 class Packed:
-    """One micro-batch of either layout: ``[R, L]`` inputs and where each sequence's predictions are."""
+    """One micro-batch of either layout: ``[R, L]`` inputs and where each sequence's predictions are.
+
+    Only the inputs are built eagerly; the prediction indices are computed on first use, which the
+    forward reaches after it has queued the model on the device, so on a GPU building them overlaps it.
+    """
 
     input_ids: Tensor  # [R, L] int64 ([1, N] packed)
     position_ids: Tensor | None  # [1, N] int64 restarting at 0 per sequence (packed); None = 0..L-1 per row
-    predict_at: Tensor  # [P] int64: flat indices into [R * L] whose next token is in the same sequence
-    targets: Tensor  # [P] int64: that next token
-    row: Tensor  # [P] int64: the sequence (0..B-1 within this micro-batch) of each prediction
-    column: Tensor  # [P] int64: the index on that sequence's next-token axis
-    width: int  # T: the longest sequence's next-token axis
+    lengths: tuple[int, ...]  # tokens of each sequence, in order
+    packed: bool  # one row of concatenated sequences (else one sequence per row)
+
+    @property
+    def width(self) -> int:
+        """T: the longest sequence's next-token axis."""
+        return max(self.lengths) - 1
+
+    @cached_property
+    def _predictions(self) -> tuple[Tensor, Tensor, Tensor]:
+        predicted = torch.tensor(self.lengths) - 1  # next-token predictions of each sequence
+        row = torch.repeat_interleave(torch.arange(len(self.lengths)), predicted)
+        column = torch.cat([torch.arange(n) for n in predicted.tolist()])
+        if self.packed:
+            starts = torch.cumsum(torch.tensor(self.lengths), 0) - torch.tensor(self.lengths)
+            return starts[row] + column, row, column
+        return row * self.input_ids.shape[1] + column, row, column
+
+    @property
+    def predict_at(self) -> Tensor:
+        """[P] int64: flat indices into ``[R * L]`` whose next token is in the same sequence."""
+        return self._predictions[0]
+
+    @property
+    def row(self) -> Tensor:
+        """[P] int64: the sequence (0..B-1 within this micro-batch) of each prediction."""
+        return self._predictions[1]
+
+    @property
+    def column(self) -> Tensor:
+        """[P] int64: the index on that sequence's next-token axis."""
+        return self._predictions[2]
 
 
 def pack(sequences: Sequence[Tensor]) -> Packed:
     """Concatenates 1-D token tensors (each >= 1 token) into one packed row."""
-    lengths = torch.tensor([int(s.numel()) for s in sequences], dtype=torch.int64)
-    input_ids = torch.cat(list(sequences))
-    starts = torch.cumsum(lengths, 0) - lengths
-    seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
-    position = torch.arange(input_ids.numel()) - starts[seq_of_token]
-    last = (position == lengths[seq_of_token] - 1).nonzero().squeeze(1)
-    keep = torch.ones(input_ids.numel(), dtype=torch.bool)
-    keep[last] = False
-    predict_at = keep.nonzero().squeeze(1)
-    return Packed(
-        input_ids=input_ids[None],
-        position_ids=position[None],
-        predict_at=predict_at,
-        targets=input_ids[predict_at + 1],
-        row=seq_of_token[predict_at],
-        column=position[predict_at],
-        width=int(lengths.max()) - 1,
-    )
+    lengths = tuple(int(s.numel()) for s in sequences)
+    position = torch.cat([torch.arange(n) for n in lengths])
+    return Packed(torch.cat(list(sequences))[None], position[None], lengths, packed=True)
 
 
 def pad(sequences: Sequence[Tensor]) -> Packed:
     """One 1-D token tensor (>= 1 token) per row of ``[R, L]``, right-padded with token 0 (never scored)."""
-    lengths = [int(s.numel()) for s in sequences]
-    width = max(lengths)
-    input_ids = torch.zeros((len(sequences), width), dtype=torch.int64)
+    lengths = tuple(int(s.numel()) for s in sequences)
+    input_ids = torch.zeros((len(sequences), max(lengths)), dtype=torch.int64)
     for row, sequence in enumerate(sequences):
         input_ids[row, : lengths[row]] = sequence
-    predicted = torch.tensor(lengths) - 1  # next-token predictions per row
-    row = torch.repeat_interleave(torch.arange(len(sequences)), predicted)
-    column = torch.cat([torch.arange(n) for n in predicted.tolist()])
-    predict_at = row * width + column
-    return Packed(
-        input_ids=input_ids,
-        position_ids=None,
-        predict_at=predict_at,
-        targets=input_ids.view(-1)[predict_at + 1],
-        row=row,
-        column=column,
-        width=width - 1,
-    )
+    return Packed(input_ids, None, lengths, packed=False)
 
 
 def layout_of(layout: Layout) -> Callable[[Sequence[Tensor]], Packed]:

@@ -45,6 +45,15 @@ def device_for(rank: RankInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without stalling the host: on CUDA through pinned memory and a
+    non-blocking copy. A plain ``.to("cuda")`` of pageable memory waits for every kernel queued before it,
+    so one in the middle of a step leaves the GPU idle while the host then queues the next work."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def init_group(rank: RankInfo, master_addr: str, master_port: int) -> None:
     """Joins the process group of ``rank.world_size`` ranks at ``master_addr:master_port`` (no-op for one rank)."""
     if not rank.distributed:

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
+from torch.profiler import record_function
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
@@ -36,7 +38,7 @@ from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.critic import Critic
-from molt.learner.logprobs import token_logprobs, token_values
+from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, token_logprobs, token_values
 from molt.learner.objective import (
     MicroInputs,
     distill_advantages,
@@ -46,7 +48,7 @@ from molt.learner.objective import (
     step_row_weights,
 )
 from molt.learner.packing import Layout, Packed, layout_of, plan
-from molt.learner.ranks import SINGLE, RankInfo, device_for
+from molt.learner.ranks import SINGLE, RankInfo, device_for, to_device
 
 log = logging.getLogger(__name__)
 Backend = Literal["torch", "automodel"]
@@ -136,6 +138,16 @@ def lr_factor(step: int, opt: OptimizerSettings) -> float:
     return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass(frozen=True)
+class HostInputs:
+    """What one RL step computes on the host before its losses: statistics, advantages, weights."""
+
+    stats: dict[str, float]  # batch_stats, and advantage_stats where the advantages are step-wide
+    advantages: Tensor | None  # [S, T] float32; None: per micro-batch (on_policy_distill)
+    returns: Tensor | None  # [S, T] the critic's targets (gae only)
+    weights: Tensor  # [S] float64 aggregation weights (step_row_weights)
+
+
 class Trainer:
     """Owns the policy, the reference model, the optimizer and the schedule of one rank."""
 
@@ -156,8 +168,9 @@ class Trainer:
         )
         if rank.distributed:
             shard(self.model, rank.world_size, self.device)
+        self.head: Head = next_token_logprobs
         if settings.compile:
-            compile_layers(self.model)
+            self.compile()
         needs_reference = settings.algorithm.kl_coef > 0
         self.reference = load(settings.model_path, trainable=False) if needs_reference else None
         teacher = settings.algorithm.teacher_path
@@ -192,6 +205,11 @@ class Trainer:
             self.critic_scheduler = LambdaLR(self.critic_optimizer, lambda step: lr_factor(step, opt))
         self.step = 0
 
+    def compile(self) -> None:
+        """What ``compile = true`` does: each decoder layer and the logprob head through ``torch.compile``."""
+        compile_layers(self.model)
+        self.head = compiled_head()
+
     @property
     def policy_version(self) -> int:
         return self.step
@@ -199,22 +217,18 @@ class Trainer:
     def train_step(self, batch: StepBatch) -> dict[str, float]:
         """One RL optimizer step on the global batch; returns the step's metrics (identical on every rank)."""
         started = time.monotonic()
-        before = batch_stats(batch, self.policy_version)
         algo = self.settings.algorithm
-        # on_policy_distill: advantages per micro-batch, from the teacher (nothing step-wide to compute first).
-        advantages: Tensor | None = None
-        if self.critic is not None:
-            old_values = self._values(batch.samples)
-            advantages, returns = gae_targets(batch, algo, old_values)
-        elif self.teacher is None:
-            advantages = step_advantages(batch, algo)
-        weights = step_row_weights(batch, algo)
         samples = batch.samples
+        old_values = self._values(samples) if self.critic is not None else None
+        # Host-side work, first needed by the first micro-batch's loss: by then its forward is queued, so on
+        # a GPU this CPU work overlaps it instead of leaving the GPU idle at the start of the step.
+        host = functools.cache(functools.partial(self._host_inputs, batch, self.policy_version, old_values))
 
         def loss_of(rows: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+            advantages = host().advantages
             width = logprobs.shape[1]
-            rollout = padded([samples[r].rollout_logprobs for r in rows], width).to(self.device)
-            mask = padded([samples[r].loss_mask for r in rows], width).to(self.device)
+            rollout = self._to_device(padded([samples[r].rollout_logprobs for r in rows], width))
+            mask = self._to_device(padded([samples[r].loss_mask for r in rows], width))
             extra: dict[str, Tensor] = {}
             if advantages is None:
                 teacher = self._frozen_logprobs(self.teacher, samples, rows)
@@ -222,29 +236,45 @@ class Trainer:
                 micro_advantages, extra = distill_advantages(rollout, teacher, mask, algo)
                 extra["advantage/mean"] = masked_mean(micro_advantages, mask).to(torch.float64)
             else:
-                micro_advantages = advantages[rows, :width].to(self.device)
+                micro_advantages = self._to_device(advantages[rows, :width])
             inputs = MicroInputs(
                 logprobs=logprobs,
                 rollout_logprobs=rollout,
                 advantages=micro_advantages,
                 loss_mask=mask,
-                weights=weights[rows].to(self.device),
+                weights=self._to_device(host().weights[rows]),
                 entropy=entropy,
                 ref_logprobs=self._frozen_logprobs(self.reference, samples, rows),
             )
             loss, stats = micro_loss(inputs, algo, float(self.rank.world_size))
             return loss, {**stats, **extra}
 
-        objective, stats = self._accumulate(samples, loss_of, self.settings.rollout.temperature, entropy=True)
-        metrics = {**before, **stats, "loss/objective": objective, **self._optimizer_step()}
-        if advantages is not None:
-            metrics.update(advantage_stats(advantages, padded([s.loss_mask for s in samples])))
-        if self.critic is not None:
+        objective, stats, norm = self._accumulate(samples, loss_of, self.settings.rollout.temperature, entropy=True)
+        metrics = {**host().stats, **stats, "loss/objective": objective, **self._optimizer_step(norm)}
+        if old_values is not None:
+            returns = host().returns
+            assert returns is not None
             metrics.update(self._critic_step(samples, old_values, returns))
         elapsed = time.monotonic() - started
         tokens = sum(s.length for s in samples)
         metrics.update({"step_seconds": elapsed, "tokens": float(tokens), "tokens_per_s": tokens / elapsed})
         return metrics
+
+    @record_function("molt/host_inputs")
+    def _host_inputs(self, batch: StepBatch, version: int, old_values: Tensor | None) -> HostInputs:
+        """The step-wide quantities computed on the host: batch and advantage statistics, advantages
+        (``gae`` from the critic's ``old_values``; none for ``on_policy_distill``, whose signal is per
+        micro-batch) and aggregation weights."""
+        algo = self.settings.algorithm
+        stats = batch_stats(batch, version)
+        advantages = returns = None
+        if old_values is not None:
+            advantages, returns = gae_targets(batch, algo, old_values)
+        elif self.teacher is None:
+            advantages = step_advantages(batch, algo)
+        if advantages is not None:
+            stats.update(advantage_stats(advantages, padded([s.loss_mask for s in batch.samples])))
+        return HostInputs(stats, advantages, returns, step_row_weights(batch, algo))
 
     def _values(self, samples: Sequence[Sample]) -> Tensor:
         """The critic's values of every sample of the step, ``[S, T]`` float32 on the CPU (no gradient)."""
@@ -269,11 +299,11 @@ class Trainer:
                 continue
             values = token_values(self.critic, self._micro(samples, rows), len(rows))
             width = values.shape[1]
-            mask = padded([samples[r].loss_mask for r in rows], width).to(self.device)
+            mask = self._to_device(padded([samples[r].loss_mask for r in rows], width))
             per_token, stats = value_loss(
                 values,
-                old_values[rows, :width].to(self.device),
-                returns[rows, :width].to(self.device, torch.float32),
+                self._to_device(old_values[rows, :width]),
+                self._to_device(returns[rows, :width].float()),
                 mask,
                 clip=settings.value_clip,
             )
@@ -310,7 +340,7 @@ class Trainer:
             return None
         with torch.no_grad():
             logprobs, _ = token_logprobs(
-                model, self._micro(samples, rows), len(rows), self.settings.rollout.temperature
+                model, self._micro(samples, rows), len(rows), self.settings.rollout.temperature, head=self.head
             )
         return logprobs
 
@@ -320,21 +350,22 @@ class Trainer:
         total = float(sum(s.loss_tokens for s in samples))  # samples: the global batch, so the global count
 
         def loss_of(rows: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-            mask = padded([samples[r].loss_mask for r in rows], logprobs.shape[1]).to(self.device)
+            mask = self._to_device(padded([samples[r].loss_mask for r in rows], logprobs.shape[1]))
             nll = -logprobs
             loss = token_mean(nll, mask, total) * self.rank.world_size
             return loss, {"loss/nll": masked_mean(nll.detach(), mask).double()}
 
-        objective, stats = self._accumulate(samples, loss_of, 1.0, entropy=False)
-        return {**stats, "loss/objective": objective, **self._optimizer_step()}
+        objective, stats, norm = self._accumulate(samples, loss_of, 1.0, entropy=False)
+        return {**stats, "loss/objective": objective, **self._optimizer_step(norm)}
 
     def _accumulate(
         self, samples: Sequence[Sample], loss_of: MicroLoss, temperature: float, *, entropy: bool
-    ) -> tuple[float, dict[str, float]]:
-        """Forward + backward of this rank's micro-batches; returns the summed loss and token-mean stats of
-        the whole step (reduced over ranks). The sums stay on the device until the end of the step: the loop
-        adds no host sync per micro-batch of its own, and the objective's value checks are settled once, after
-        the last backward and before any optimizer step."""
+    ) -> tuple[float, dict[str, float], Tensor]:
+        """Forward + backward of this rank's micro-batches, then the gradients clipped to ``max_grad_norm``;
+        returns the summed loss and token-mean stats of the whole step (reduced over ranks) and the
+        gradients' norm before clipping. The sums stay on the device: the loop adds no host sync per
+        micro-batch, and the objective's value checks are settled once, before any optimizer step but after
+        the clipping is queued, so while the host waits there the GPU still has the clipping to run."""
         my_plan = self._plan(samples, self.rank.world_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
@@ -344,27 +375,33 @@ class Trainer:
                 if not rows:
                     self._idle_backward()
                     continue
-                packed = self._micro(samples, rows)
-                logprobs, entropies = token_logprobs(
-                    self.model,
-                    packed,
-                    len(rows),
-                    temperature,
-                    entropy=entropy,
-                    entropy_grad=self.settings.algorithm.entropy_coef > 0,
-                )
-                loss, stats = loss_of(rows, logprobs, entropies)
-                loss.backward()
+                with record_function("molt/forward"):
+                    logprobs, entropies = token_logprobs(
+                        self.model,
+                        self._micro(samples, rows),
+                        len(rows),
+                        temperature,
+                        entropy=entropy,
+                        entropy_grad=self.settings.algorithm.entropy_coef > 0,
+                        head=self.head,
+                    )
+                with record_function("molt/loss"):
+                    loss, stats = loss_of(rows, logprobs, entropies)
+                with record_function("molt/backward"):
+                    loss.backward()
                 count = float(sum(samples[r].loss_tokens for r in rows))
                 total += loss.detach().double() / self.rank.world_size
                 tokens += count
                 for name, value in stats.items():
                     zero = torch.zeros((), dtype=torch.float64, device=self.device)
                     sums[name] = sums.get(name, zero) + value * count
+            norm = self._clip_gradients()
         names = sorted(sums)
-        reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
+        with record_function("molt/reduce"):  # the step's one host sync before the optimizer
+            reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
         count = float(reduced[1].clamp(min=1))
-        return float(reduced[0]), {n: float(v) / count for n, v in zip(names, reduced[2:], strict=True)}
+        stats = {n: float(v) / count for n, v in zip(names, reduced[2:], strict=True)}
+        return float(reduced[0]), stats, norm
 
     def _idle_backward(self) -> None:
         """A zero-gradient forward/backward: this rank has no samples for this micro-batch, but FSDP's
@@ -379,22 +416,30 @@ class Trainer:
     def _micro(self, samples: Sequence[Sample], rows: list[int]) -> Packed:
         return layout_of(self.layout)([samples[r].input_ids for r in rows])
 
+    def _to_device(self, tensor: Tensor) -> Tensor:
+        return to_device(tensor, self.device)
+
     def _sum_over_ranks(self, values: Tensor) -> Tensor:
         if self.rank.distributed:
             values = values.to(self.device)
             dist.all_reduce(values)
         return values.cpu()
 
-    def _optimizer_step(self) -> dict[str, float]:
+    @record_function("molt/clip")
+    def _clip_gradients(self) -> Tensor:
+        """Clips the policy's gradients to ``max_grad_norm`` in place; their total norm before (all ranks)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.settings.optimizer.max_grad_norm)
-        full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    @record_function("molt/optimizer")
+    def _optimizer_step(self, grad_norm: Tensor) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"grad_norm": float(full_norm), "lr": lr}
+        return {"grad_norm": float(grad_norm), "lr": lr}
 
 
 def advantage_stats(advantages: Tensor, loss_mask: Tensor) -> dict[str, float]:
