@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,14 +51,59 @@ def test_pack_restarts_positions_and_scores_only_in_sequence_tokens() -> None:
     assert packed.width == 2
 
 
+def padded_cost(bins: list[list[int]], lengths: list[int], budget: int) -> float:
+    """Padded tokens plus the fixed cost (budget / 16 tokens) of each micro-batch."""
+    return sum(len(b) * max(lengths[r] for r in b) + budget / 16 for b in bins)
+
+
+def partitions(items: list[int]) -> Iterator[list[list[int]]]:
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for smaller in partitions(rest):
+        yield [[first], *smaller]
+        for i in range(len(smaller)):
+            yield [*smaller[:i], [first, *smaller[i]], *smaller[i + 1 :]]
+
+
 def test_padded_micro_batches_count_the_padding_and_group_similar_lengths() -> None:
-    """Budget 100, longest first: [120] alone (over budget), then runs whose count x longest fits."""
+    """Budget 100 (a micro-batch costs 6.25 tokens more): [120] alone (over budget); 50 and 40 apart
+    (2 x 50 would pad 10), 30 with 30, and 10 with 5; 310 padded tokens for 305 real ones."""
     bins = padded_micro_batches(range(len(LENGTHS)), LENGTHS, 100)
     assert sorted(r for b in bins for r in b) == list(range(len(LENGTHS)))
-    assert bins == [[7], [0, 2], [3, 4, 5], [1, 6]]  # 120 | 50,40 (2x50) | 30,30,20 (3x30) | 10,5
+    assert bins == [[7], [0], [2], [3, 4], [5], [1, 6]]
     for b in bins:
         assert len(b) == 1 or len(b) * max(LENGTHS[r] for r in b) <= 100
     assert plan(LENGTHS, 1, 100, "padded") == [bins]
+
+
+def test_padded_micro_batches_are_the_cheapest_split() -> None:
+    """Against every partition of up to 7 sequences that fits the budget (a longer one alone)."""
+    rng = random.Random(0)
+    for _ in range(150):
+        lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(40, 130)]) for _ in range(rng.randrange(1, 8))]
+        budget = rng.choice([64, 100, 256])
+        ours = padded_micro_batches(range(len(lengths)), lengths, budget)
+        assert sorted(r for b in ours for r in b) == list(range(len(lengths)))
+        feasible = [
+            p
+            for p in partitions(list(range(len(lengths))))
+            if all(len(b) == 1 or len(b) * max(lengths[r] for r in b) <= budget for b in p)
+        ]
+        assert min(padded_cost(p, lengths, budget) for p in feasible) == pytest.approx(
+            padded_cost(ours, lengths, budget)
+        ), (lengths, budget, ours)
+
+
+def test_a_long_sequence_does_not_pad_the_short_ones() -> None:
+    """A long tail: one 512-token sample among 31 short ones (1851 tokens). Filling micro-batches
+    greedily, longest first, put 7 shorter samples beside it, padded to 512: 4096 + 24 x 30 = 4816
+    positions. The cheapest split: [512, 300], [100..50], the rest: 2344."""
+    lengths = [512, 300, 100, 80, 70, 60, 55, 50] + [30 - i % 10 for i in range(24)]
+    bins = padded_micro_batches(range(len(lengths)), lengths, 4096)
+    assert bins[:2] == [[0, 1], [2, 3, 4, 5, 6, 7]] and len(bins) == 3
+    assert sum(len(b) * max(lengths[r] for r in b) for b in bins) == 2 * 512 + 6 * 100 + 24 * 30
 
 
 def test_pad_puts_one_sequence_per_row_and_scores_only_real_tokens() -> None:

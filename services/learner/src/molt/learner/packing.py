@@ -18,8 +18,9 @@ Two layouts of a micro-batch (``[learner] micro_batch_layout``):
   causal attention needs no mask (a padding token comes after every real
   token of its row, so no real token attends to it), so SDPA runs its flash
   kernel on the same ``[R, L]`` shape a plain training loop uses. The budget
-  counts the padding (``R x L <= budget``); sequences of similar length share
-  a micro-batch, so little is wasted. The default (``auto``): with SDPA the
+  counts the padding (``R x L <= budget``); the split minimises the padded
+  tokens (plus a fixed cost per micro-batch), so sequences of similar length
+  share a micro-batch and a long one does not pad short ones to its length. The default (``auto``): with SDPA the
   packed row's dense mask makes attention cost (total tokens)^2 instead of the
   sum of each sequence's length^2.
 """
@@ -64,16 +65,30 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int) -> l
 
 
 def padded_micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Groups ``rows``, longest first, into runs whose padded size (count x longest) fits ``budget``.
+    """Splits ``rows``, longest first, into runs whose padded size (count x longest) fits ``budget``,
+    choosing the cuts that minimise the step's padded tokens plus a fixed cost per micro-batch
+    (``budget / 16`` tokens: a forward and a backward more). A sequence longer than the budget gets a
+    micro-batch of its own.
 
-    A sequence longer than the budget gets a micro-batch of its own.
+    Dynamic programming over the sorted order (a run of consecutive lengths is never worse than any
+    other grouping of the same sizes). Filling each micro-batch greedily instead lets one long
+    sequence pad every short one beside it to its length: with a long tail of response lengths
+    most of a step's compute went to padding.
     """
+    order = sorted(rows, key=lambda r: (-lengths[r], r))
+    n = len(order)
+    overhead = budget / 16
+    best = [0.0] * (n + 1)  # best[i]: the cost of order[i:]
+    cut = [n] * (n + 1)  # where the micro-batch that starts at i ends in that solution
+    for i in range(n - 1, -1, -1):
+        longest = max(lengths[order[i]], 1)
+        fits = max(1, min(budget // longest, n - i))
+        best[i], cut[i] = min((k * longest + overhead + best[i + k], i + k) for k in range(1, fits + 1))
     out: list[list[int]] = []
-    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(row)
-        else:
-            out.append([row])
+    start = 0
+    while start < n:
+        out.append(order[start : cut[start]])
+        start = cut[start]
     return out
 
 
