@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.algos.checks import check_finite, check_ids, check_same_shape, deferred_checks, mask_as_float
+from molt.algos.checks import (
+    check_finite,
+    check_ids,
+    check_same_shape,
+    deferred_checks,
+    immediate_checks,
+    mask_as_float,
+)
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "molt" / "algos"
 
@@ -80,3 +87,9 @@ def test_deferred_checks_raise_the_same_error_once_the_block_ends() -> None:
         raise KeyError("first")
     with pytest.raises(ValueError, match="logprobs contains NaN"):  # outside a block: immediate again
         check_finite(logprobs=bad)
+    reached_the_end = False
+    with pytest.raises(ValueError, match="rewards contains NaN"), deferred_checks():
+        with immediate_checks():  # raises here, inside the deferred block, not when it ends
+            check_finite(rewards=bad)
+        reached_the_end = True
+    assert not reached_the_end

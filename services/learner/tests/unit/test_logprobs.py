@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt.algos.checks import deferred_checks
 from molt.learner.logprobs import next_token_logprobs, token_logprobs
 from molt.learner.packing import pack, pad
 from molt.learner.trainer import load_policy
@@ -49,17 +50,18 @@ def test_a_logged_entropy_carries_no_gradient() -> None:
 
 @pytest.mark.parametrize("layout", [pack, pad])
 def test_token_entropy_on_the_grid_equals_each_sequence_by_hand(tiny_model: Path, layout: Callable) -> None:
-    """Three sequences in one micro-batch: each row's entropies (and logprobs) are those of the sequence
-    alone by hand, and the grid holds 0 past each sequence's predictions."""
+    """Four sequences in one micro-batch (one of a single token: it predicts nothing): each row's
+    entropies (and logprobs) are those of the sequence alone by hand, and the grid holds 0 past each
+    sequence's predictions."""
     model = load_policy(tiny_model, torch.device("cpu"), trainable=False)
     generator = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(0, 320, (n,), generator=generator) for n in (9, 4, 13)]
-    logprobs, entropy = token_logprobs(model, layout(sequences), 3, 0.8, entropy=True)
-    assert entropy is not None and entropy.shape == logprobs.shape == (3, 12)
+    sequences = [torch.randint(0, 320, (n,), generator=generator) for n in (9, 1, 4, 13)]
+    logprobs, entropy = token_logprobs(model, layout(sequences), 4, 0.8, entropy=True)
+    assert entropy is not None and entropy.shape == logprobs.shape == (4, 12)
     for i, seq in enumerate(sequences):
         with torch.no_grad():
             logits = model(input_ids=seq[None]).logits[0, :-1]
-        want_logprobs, want_entropy = by_hand(logits, seq[1:], 0.8)
+        want_logprobs, want_entropy = by_hand(logits, seq[1:], 0.8)  # empty for the single token
         n = seq.numel() - 1
         torch.testing.assert_close(entropy[i, :n].to(F64), want_entropy, rtol=0, atol=2e-5)
         torch.testing.assert_close(logprobs[i, :n].to(F64), want_logprobs, rtol=0, atol=2e-5)
@@ -73,3 +75,8 @@ def test_a_non_finite_entropy_is_a_clear_error(tiny_model: Path) -> None:
         model.get_output_embeddings().weight[7, 0] = float("nan")
     with pytest.raises(ValueError, match=r"entropy contains NaN at index \(0, 0\)"):
         token_logprobs(model, pad([torch.arange(5)]), 1, 1.0, entropy=True)
+    reached_the_end = False
+    with pytest.raises(ValueError, match=r"entropy contains NaN at index \(0, 0\)"), deferred_checks():
+        token_logprobs(model, pad([torch.arange(5)]), 1, 1.0, entropy=True)  # in a step: raised at its end
+        reached_the_end = True
+    assert reached_the_end

@@ -86,6 +86,7 @@ def test_padded_micro_batches_are_the_cheapest_split() -> None:
         budget = rng.choice([64, 100, 256])
         ours = padded_micro_batches(range(len(lengths)), lengths, budget)
         assert sorted(r for b in ours for r in b) == list(range(len(lengths)))
+        assert all(len(b) == 1 or len(b) * max(lengths[r] for r in b) <= budget for b in ours)
         feasible = [
             p
             for p in partitions(list(range(len(lengths))))

@@ -45,6 +45,17 @@ def deferred_checks() -> Iterator[None]:
                 raise_error()
 
 
+@contextmanager
+def immediate_checks() -> Iterator[None]:
+    """Inside ``deferred_checks()``: value checks in this block raise at once again (host-side work whose
+    error must surface where it happens, on every rank alike, not after the step's collectives)."""
+    token = _DEFERRED.set(None)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
 def _check_or_defer(flag: Tensor, raise_error: Callable[[], None]) -> None:
     pending = _DEFERRED.get()
     if pending is None:

@@ -64,10 +64,11 @@ def token_logprobs(
     the entropy of each next-token distribution (same grid). Gradients flow through the logprobs, and
     through the entropy only with ``entropy_grad`` (a bonus term; for logging it is detached).
 
-    Every position of the micro-batch is scored against the token after it (the few that predict
-    nothing - a sequence's last token, padding - are dropped afterwards, a gather of ``[R * L]``
-    scalars), so no ``[P, V]`` copy of the logits is made, nor its scatter back in the backward.
-    The float32 ``[R * L, V]`` log-softmax is the peak memory. A non-finite entropy raises
+    Every position of the micro-batch, padding included, is scored against the token after it; those
+    that predict nothing (a sequence's last token, padding) are dropped afterwards, a gather of
+    ``[R * L]`` scalars, so no ``[P, V]`` copy of the logits is made, nor its scatter back in the
+    backward. Float32 ``[R * L, V]`` tensors (the log-softmax, with the entropy its exponential and
+    product) are the peak memory, bounded by the micro-batch budget. A non-finite entropy raises
     ``ValueError`` (deferred inside ``molt.algos.checks.deferred_checks``).
     """
     device = next(model.parameters()).device

@@ -48,7 +48,9 @@ def device_for(rank: RankInfo) -> torch.device:
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without stalling the host: on CUDA through pinned memory and a
     non-blocking copy. A plain ``.to("cuda")`` of pageable memory waits for every kernel queued before it,
-    so one in the middle of a step leaves the GPU idle while the host then queues the next work."""
+    so one in the middle of a step leaves the GPU idle while the host then queues the next work. The
+    copy may still be in flight on return: do not change ``tensor`` in place afterwards (an already
+    pinned tensor is used as it is)."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from molt.algos.aggregation import masked_mean, token_mean
-from molt.algos.checks import deferred_checks
+from molt.algos.checks import deferred_checks, immediate_checks
 from molt.algos.losses import value_loss
 from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
@@ -220,8 +220,8 @@ class Trainer:
         algo = self.settings.algorithm
         samples = batch.samples
         old_values = self._values(samples) if self.critic is not None else None
-        # Host-side work, first needed by the first micro-batch's loss: by then its forward is queued, so on
-        # a GPU this CPU work overlaps it instead of leaving the GPU idle at the start of the step.
+        # Host-side work, done once the first forward is queued (``_accumulate`` calls it on every rank at
+        # that point), so on a GPU this CPU work overlaps the forward instead of leaving the GPU idle.
         host = functools.cache(functools.partial(self._host_inputs, batch, self.policy_version, old_values))
 
         def loss_of(rows: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -249,7 +249,9 @@ class Trainer:
             loss, stats = micro_loss(inputs, algo, float(self.rank.world_size))
             return loss, {**stats, **extra}
 
-        objective, stats, norm = self._accumulate(samples, loss_of, self.settings.rollout.temperature, entropy=True)
+        objective, stats, norm = self._accumulate(
+            samples, loss_of, self.settings.rollout.temperature, entropy=True, after_first_forward=host
+        )
         metrics = {**host().stats, **stats, "loss/objective": objective, **self._optimizer_step(norm)}
         if old_values is not None:
             returns = host().returns
@@ -264,17 +266,19 @@ class Trainer:
     def _host_inputs(self, batch: StepBatch, version: int, old_values: Tensor | None) -> HostInputs:
         """The step-wide quantities computed on the host: batch and advantage statistics, advantages
         (``gae`` from the critic's ``old_values``; none for ``on_policy_distill``, whose signal is per
-        micro-batch) and aggregation weights."""
+        micro-batch) and aggregation weights. Bad values (a NaN reward) raise here at once, on every rank
+        alike (the same global batch), before any backward's collectives."""
         algo = self.settings.algorithm
-        stats = batch_stats(batch, version)
-        advantages = returns = None
-        if old_values is not None:
-            advantages, returns = gae_targets(batch, algo, old_values)
-        elif self.teacher is None:
-            advantages = step_advantages(batch, algo)
-        if advantages is not None:
-            stats.update(advantage_stats(advantages, padded([s.loss_mask for s in batch.samples])))
-        return HostInputs(stats, advantages, returns, step_row_weights(batch, algo))
+        with immediate_checks():
+            stats = batch_stats(batch, version)
+            advantages = returns = None
+            if old_values is not None:
+                advantages, returns = gae_targets(batch, algo, old_values)
+            elif self.teacher is None:
+                advantages = step_advantages(batch, algo)
+            if advantages is not None:
+                stats.update(advantage_stats(advantages, padded([s.loss_mask for s in batch.samples])))
+            return HostInputs(stats, advantages, returns, step_row_weights(batch, algo))
 
     def _values(self, samples: Sequence[Sample]) -> Tensor:
         """The critic's values of every sample of the step, ``[S, T]`` float32 on the CPU (no gradient)."""
@@ -359,21 +363,30 @@ class Trainer:
         return {**stats, "loss/objective": objective, **self._optimizer_step(norm)}
 
     def _accumulate(
-        self, samples: Sequence[Sample], loss_of: MicroLoss, temperature: float, *, entropy: bool
+        self,
+        samples: Sequence[Sample],
+        loss_of: MicroLoss,
+        temperature: float,
+        *,
+        entropy: bool,
+        after_first_forward: Callable[[], object] = lambda: None,
     ) -> tuple[float, dict[str, float], Tensor]:
         """Forward + backward of this rank's micro-batches, then the gradients clipped to ``max_grad_norm``;
         returns the summed loss and token-mean stats of the whole step (reduced over ranks) and the
         gradients' norm before clipping. The sums stay on the device: the loop adds no host sync per
         micro-batch, and the objective's value checks are settled once, before any optimizer step but after
-        the clipping is queued, so while the host waits there the GPU still has the clipping to run."""
+        the clipping is queued, so while the host waits there the GPU still has the clipping to run.
+        ``after_first_forward`` runs on every rank once the first forward is queued (an idle rank's too),
+        before any backward: what it raises stops every rank at the same point."""
         my_plan = self._plan(samples, self.rank.world_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         with deferred_checks():  # molt.algos' value checks: one sync after the last backward, not one per call
-            for rows in my_plan[self.rank.rank]:
+            for index, rows in enumerate(my_plan[self.rank.rank]):
+                between = after_first_forward if index == 0 else None
                 if not rows:
-                    self._idle_backward()
+                    self._idle_backward(between)
                     continue
                 with record_function("molt/forward"):
                     logprobs, entropies = token_logprobs(
@@ -385,6 +398,8 @@ class Trainer:
                         entropy_grad=self.settings.algorithm.entropy_coef > 0,
                         head=self.head,
                     )
+                if between is not None:
+                    between()
                 with record_function("molt/loss"):
                     loss, stats = loss_of(rows, logprobs, entropies)
                 with record_function("molt/backward"):
@@ -397,17 +412,20 @@ class Trainer:
                     sums[name] = sums.get(name, zero) + value * count
             norm = self._clip_gradients()
         names = sorted(sums)
-        with record_function("molt/reduce"):  # the step's one host sync before the optimizer
+        with record_function("molt/reduce"):  # after the checks' sync: the GPU has nothing left to run
             reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
         count = float(reduced[1].clamp(min=1))
         stats = {n: float(v) / count for n, v in zip(names, reduced[2:], strict=True)}
         return float(reduced[0]), stats, norm
 
-    def _idle_backward(self) -> None:
+    def _idle_backward(self, between: Callable[[], object] | None = None) -> None:
         """A zero-gradient forward/backward: this rank has no samples for this micro-batch, but FSDP's
-        all-gathers and reduce-scatters are collectives every rank must join."""
+        all-gathers and reduce-scatters are collectives every rank must join. ``between`` runs after the
+        forward, where a busy rank runs its first loss."""
         one = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
         logits = self.model(input_ids=one, position_ids=one, use_cache=False).logits
+        if between is not None:
+            between()
         (logits.sum() * 0.0).backward()
 
     def _plan(self, samples: Sequence[Sample], world_size: int) -> list[list[list[int]]]:
