@@ -97,6 +97,48 @@ def test_padded_micro_batches_are_the_cheapest_split() -> None:
         ), (lengths, budget, ours)
 
 
+def test_at_most_k_micro_batches_take_the_fewest_padded_tokens() -> None:
+    """``at_most``: no cost per micro-batch, at most k of them; against every partition of up to 7."""
+    rng = random.Random(1)
+    for _ in range(150):
+        lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(40, 130)]) for _ in range(rng.randrange(1, 8))]
+        budget = rng.choice([64, 100, 256])
+        fewest = len(padded_micro_batches(range(len(lengths)), lengths, budget))
+        k = rng.randrange(fewest, fewest + 3)
+        ours = padded_micro_batches(range(len(lengths)), lengths, budget, at_most=k)
+        assert sorted(r for b in ours for r in b) == list(range(len(lengths))) and len(ours) <= k
+        assert all(len(b) == 1 or len(b) * max(lengths[r] for r in b) <= budget for b in ours)
+        feasible = [
+            p
+            for p in partitions(list(range(len(lengths))))
+            if len(p) <= k and all(len(b) == 1 or len(b) * max(lengths[r] for r in b) <= budget for b in p)
+        ]
+        assert min(padded_cost(p, lengths, budget) - len(p) * budget / 16 for p in feasible) == pytest.approx(
+            padded_cost(ours, lengths, budget) - len(ours) * budget / 16
+        ), (lengths, budget, k, ours)
+
+
+def test_ranks_in_lockstep_split_finer_instead_of_idling() -> None:
+    """Every rank runs as many passes as the busiest one; a rank with rows to spare uses them all for a
+    finer split (an empty pass only once it has one row per pass), never padding more than its own
+    cheapest split would."""
+    rng = random.Random(2)
+    for _ in range(100):
+        lengths = [rng.choice([rng.randrange(1, 40), rng.randrange(40, 130)]) for _ in range(rng.randrange(2, 24))]
+        world, budget = rng.choice([2, 3]), rng.choice([100, 256])
+        ranks = plan(lengths, world, budget, "padded")
+        passes = len(ranks[0])
+        assert all(len(rank) == passes for rank in ranks)
+        assert sorted(r for rank in ranks for b in rank for r in b) == list(range(len(lengths)))
+        for rank in ranks:
+            rows = [r for b in rank for r in b]
+            assert sum(1 for b in rank if b) == min(passes, len(rows))
+            assert all(len(b) <= 1 or len(b) * max(lengths[r] for r in b) <= budget for b in rank)
+            alone = padded_micro_batches(rows, lengths, budget)
+            padded = sum(len(b) * max(lengths[r] for r in b) for b in rank if b)
+            assert padded <= sum(len(b) * max(lengths[r] for r in b) for b in alone)
+
+
 def test_a_long_sequence_does_not_pad_the_short_ones() -> None:
     """A long tail: one 512-token sample among 31 short ones (1851 tokens). Filling micro-batches
     greedily, longest first, put 7 shorter samples beside it, padded to 512: 4096 + 24 x 30 = 4816

@@ -64,11 +64,14 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int) -> l
         bins += 1
 
 
-def padded_micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+def padded_micro_batches(
+    rows: Sequence[int], lengths: Sequence[int], budget: int, at_most: int | None = None
+) -> list[list[int]]:
     """Splits ``rows``, longest first, into runs whose padded size (count x longest) fits ``budget``,
     choosing the cuts that minimise the step's padded tokens plus a fixed cost per micro-batch
     (``budget / 16`` tokens: a forward and a backward more). A sequence longer than the budget gets a
-    micro-batch of its own.
+    micro-batch of its own. With ``at_most``: the fewest padded tokens in at most that many
+    micro-batches, with no cost per micro-batch (ranks in lockstep pay for ``at_most`` passes anyway).
 
     Dynamic programming over the sorted order (a run of consecutive lengths is never worse than any
     other grouping of the same sizes). Filling each micro-batch greedily instead lets one long
@@ -77,18 +80,40 @@ def padded_micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: in
     """
     order = sorted(rows, key=lambda r: (-lengths[r], r))
     n = len(order)
-    overhead = budget / 16
-    best = [0.0] * (n + 1)  # best[i]: the cost of order[i:]
-    cut = [n] * (n + 1)  # where the micro-batch that starts at i ends in that solution
-    for i in range(n - 1, -1, -1):
-        longest = max(lengths[order[i]], 1)
-        fits = max(1, min(budget // longest, n - i))
-        best[i], cut[i] = min((k * longest + overhead + best[i + k], i + k) for k in range(1, fits + 1))
+
+    def runs(i: int) -> range:  # the run lengths that may start at order[i]
+        return range(1, max(1, min(budget // max(lengths[order[i]], 1), n - i)) + 1)
+
+    def padded(i: int, k: int) -> int:
+        return k * lengths[order[i]]
+
+    cut: list[int] = []  # cut[i]: where the micro-batch starting at order[i] ends
+    if at_most is None:
+        overhead = budget / 16
+        best = [0.0] * (n + 1)  # best[i]: the cost of order[i:]
+        cut = [n] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            best[i], cut[i] = min((padded(i, k) + overhead + best[i + k], i + k) for k in runs(i))
+        ends = [cut[i] for i in range(n)]
+    else:
+        inf = float("inf")
+        # least[p][i]: the fewest padded tokens of order[i:] in at most p micro-batches
+        least = [[inf] * n + [0.0] for _ in range(at_most + 1)]
+        cuts = [[n] * (n + 1) for _ in range(at_most + 1)]
+        for p in range(1, at_most + 1):
+            for i in range(n - 1, -1, -1):
+                least[p][i], cuts[p][i] = min((padded(i, k) + least[p - 1][i + k], i + k) for k in runs(i))
+        if n and least[at_most][0] == inf:
+            raise ValueError(f"{n} sequences do not fit {at_most} micro-batches of {budget} padded tokens")
+        ends, p, i = [n] * n, at_most, 0
+        while i < n:
+            ends[i] = cuts[p][i]
+            i, p = cuts[p][i], p - 1
     out: list[list[int]] = []
     start = 0
     while start < n:
-        out.append(order[start : cut[start]])
-        start = cut[start]
+        out.append(order[start : ends[start]])
+        start = ends[start]
     return out
 
 
@@ -96,11 +121,18 @@ Layout = Literal["packed", "padded"]
 
 
 def plan(lengths: Sequence[int], world_size: int, budget: int, layout: Layout = "packed") -> list[list[list[int]]]:
-    """``plan[rank][micro]`` = sample indices; every rank has the same number of micro-batches (some empty)."""
+    """``plan[rank][micro]`` = sample indices; every rank has the same number of micro-batches (some empty).
+
+    Ranks step through their micro-batches in lockstep (each is a collective under FSDP), so with the
+    padded layout a rank that needs fewer micro-batches than the busiest one spends the passes it
+    would otherwise run empty on a finer split: less padding, no idle pass while it has rows to split.
+    """
     shares = _least_loaded(range(len(lengths)), lengths, world_size)
     group = micro_batches if layout == "packed" else padded_micro_batches
     per_rank = [group(share, lengths, budget) for share in shares]
     count = max(1, *(len(m) for m in per_rank))
+    if layout == "padded" and world_size > 1:
+        per_rank = [padded_micro_batches(share, lengths, budget, at_most=count) for share in shares]
     return [m + [[] for _ in range(count - len(m))] for m in per_rank]
 
 
