@@ -354,3 +354,42 @@ def test_calculator_env_through_the_pool(
         assert '"name": "calculator"' in tokenizer.decode(list(trajectory.prompt_token_ids))
         assert 1 <= trajectory.turn_count <= calculator.max_turns and trajectory.reward in (0.0, 1.0)
         assert trajectory.loss_mask[0] and len(trajectory.loss_mask) == len(trajectory.response_token_ids)
+
+
+def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
+    tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """max_staleness 0, one group per step: group k starts only once the policy version is >= k. While held
+    back the pool asks the router itself (``VersionWatch.refresh``): no background watch runs here, so the
+    next group starts only because the pool saw the new version on its own."""
+    cfg = settings(tmp_path, router, redis_server.url, group_size=2, groups_in_flight=4, groups_per_step=1)
+    cfg = cfg.model_copy(update={"max_staleness": 0})
+    env = load_agent(cfg.agent)
+    assert issubclass(env, Env)
+
+    async def started_groups(pool: RolloutPool, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while pool.stats.started_groups < count:
+            assert time.monotonic() < deadline, f"{pool.stats.started_groups} groups started, waited for {count}"
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        tokenizer = AutoTokenizer.from_pretrained(router.model_path)
+        rc = RouterClient(router.address)
+        watch = VersionWatch(rc)
+        base = await watch.refresh()  # groups 0..base may start now; group base + 1 needs version base + 1
+        runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
+        queue = TrajectoryQueue(redis_client, RUN)
+        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.refresh)
+        pool.start(max_groups=base + 3)
+        await started_groups(pool, base + 1, 60)
+        await asyncio.sleep(1.0)
+        assert pool.stats.started_groups == base + 1 and pool.stats.backpressured
+        assert await asyncio.to_thread(bump_router_version, router.address) == base + 1
+        await started_groups(pool, base + 2, 60)
+        await asyncio.sleep(1.0)
+        assert pool.stats.started_groups == base + 2  # group base + 2 still needs version base + 2
+        await pool.stop(drain=True)
+        await rc.close()
+
+    asyncio.run(main())

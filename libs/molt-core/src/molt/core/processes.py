@@ -55,11 +55,13 @@ def start_ray_head(
     port: int | None = None,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
+    nice: int = 0,
 ) -> tuple[ChildProcess, str, Path]:
     """A Ray head of its own (``ray start --head --block``: ending its session ends Ray) with a
     private temp dir (so the ``ray_current_cluster`` of other Ray instances here is not touched) and
     free ports for its side servers. Returns the head, its address and its temp dir; stops it and
-    raises ``RuntimeError`` when it does not come up (and stops it on any interruption)."""
+    raises ``RuntimeError`` when it does not come up (and stops it on any interruption). ``nice``: the
+    scheduling niceness of the head and so of every Ray worker it starts."""
     ensure_ray_auth_token(ray_cli)
     port = port or free_port()
     temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-"))  # short: Ray's unix sockets live under it
@@ -68,7 +70,7 @@ def start_ray_head(
     args += ["--disable-usage-stats", "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
     for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port", "--metrics-export-port"):
         args += [flag, str(free_port())]  # their defaults are fixed ports another Ray may hold
-    head = ChildProcess(args, log_path, env)
+    head = ChildProcess(args, log_path, env, nice)
     process = head.spawn()
     try:
         deadline = time.monotonic() + timeout_s
@@ -138,10 +140,13 @@ def kill_session(session_id: int, timeout_s: float = 10.0) -> list[int]:
 
 
 class ChildProcess:
-    """A command run in its own session, its output appended to ``log_path``."""
+    """A command run in its own session, its output appended to ``log_path``; with ``nice`` > 0 at that
+    lower scheduling priority (``nice -n``: the command's own pid; its children inherit it)."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
-        self.args = list(args)
+    def __init__(
+        self, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, nice: int = 0
+    ) -> None:
+        self.args = ["nice", "-n", str(nice), *args] if nice else list(args)
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
@@ -186,8 +191,9 @@ class ServiceProcess(ChildProcess):
         log_path: Path,
         env: Mapping[str, str] | None = None,
         service: str = "",
+        nice: int = 0,
     ) -> None:
-        super().__init__(args, log_path, env)
+        super().__init__(args, log_path, env, nice)
         self.address = address
         self.service = service  # the health-checked service name: proves the right server answers
 

@@ -63,6 +63,14 @@ class LauncherSettings(BaseModel):
         600.0, gt=0, description="Grace for the agent-pool, which runs a final evaluation when stopped."
     )
     progress_every_s: float = Field(5.0, gt=0, description="Interval of the terminal status line, seconds.")
+    rollout_nice: int | None = Field(
+        None,
+        ge=0,
+        le=19,
+        description="Scheduling niceness of the rollout side (the Ray head and so the engines, the router, the "
+        "agent-pool, the broadcaster); unset = 10 on a CPU run, where the learner shares cores with them and "
+        "they should fill the CPU time it leaves, not take it; 0 with GPUs.",
+    )
 
 
 @dataclass(frozen=True)

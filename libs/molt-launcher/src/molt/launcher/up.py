@@ -167,6 +167,13 @@ class Launch:
             gpus = tuple(sorted(gpus + self.plan.gpus("learner", 0)))
         return gpus
 
+    def rollout_nice(self) -> int:
+        """``[launcher] rollout_nice``; unset: 10 on a CPU run, 0 with GPUs."""
+        configured = self.recipe.launcher.rollout_nice
+        if configured is not None:
+            return configured
+        return 10 if self.plan.gpus_per_node == 0 else 0
+
     def _start_ray_head(self) -> str:
         """A local Ray head (``molt.core.processes.start_ray_head``); returns its address."""
         ray_gpus = self.ray_gpus()
@@ -177,6 +184,8 @@ class Launch:
             num_gpus=len(ray_gpus),
             port=self.recipe.launcher.ray_port,
             env=self._env(ray_gpus),
+            # Ray-placed learner ranks are Ray workers too: then the head keeps the default priority.
+            nice=self.rollout_nice() if self.recipe.learner.placement == "local" else 0,
         )
         self.children["ray"] = head
         self._record("ray", head)
@@ -217,7 +226,8 @@ class Launch:
                 # A CPU rank reserves one CPU in the plan. torch's default (a thread per core) would also
                 # run on the engine's core and oversubscribe it: 1.85x slower steps on 2 cores (bench/async.py).
                 args += ["--cpu_threads", "1"]
-            child = ChildProcess(args, self.run_dir / "logs" / f"{name}.log", self._env(gpus))
+            nice = 0 if name == "learner" else self.rollout_nice()
+            child = ChildProcess(args, self.run_dir / "logs" / f"{name}.log", self._env(gpus), nice)
             self.children[name] = child
             process = child.spawn()
             self._record(name, child, address, HEALTH_SERVICES[name])

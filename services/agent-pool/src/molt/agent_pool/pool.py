@@ -83,6 +83,9 @@ class PoolStats:
     backpressured: bool = False
 
 
+VERSION_POLL_S = 0.05  # how often a pool held back by staleness asks for the policy version
+
+
 class RolloutPool:
     """Produces TrajectoryGroups from an episode runner into the queue."""
 
@@ -93,12 +96,14 @@ class RolloutPool:
         prompts: PromptSource,
         queue: TrajectoryQueue,
         policy_version: Callable[[], int],
+        refresh_version: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.settings = settings
         self.runner = runner
         self.prompts = prompts
         self.queue = queue
         self.policy_version = policy_version
+        self.refresh_version = refresh_version  # asks the router now: used while held back
         self.stats = PoolStats()
         self.episodes = asyncio.Semaphore(settings.max_concurrent_episodes)
         self.groups: set[asyncio.Task[None]] = set()
@@ -149,7 +154,11 @@ class RolloutPool:
                 log.info("waiting for the learner", extra={"needed_version": needed, "group": index})
             self.stats.backpressured = True
             metrics.BACKPRESSURED.set(1)
-            await asyncio.sleep(0.2)
+            # Held back, the engines may idle: ask for the version often (the background watch polls once a
+            # second, which on a fast loop left every new version unused for half a second on average).
+            await asyncio.sleep(VERSION_POLL_S)
+            if self.refresh_version is not None:
+                await self.refresh_version()
         self.stats.backpressured = False
         metrics.BACKPRESSURED.set(0)
 

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class VersionWatch:
-    """The router's current policy version, polled once a second (the pool paces on it)."""
+    """The router's current policy version, polled once a second (the pool paces on it, and asks with
+    ``refresh`` more often while it is held back)."""
 
     def __init__(self, router: RouterClient) -> None:
         self.router = router
@@ -105,7 +106,9 @@ async def serve(settings: AgentPoolSettings) -> None:
     watch = VersionWatch(router)
     watch.version = info.policy_version
     watch.task = asyncio.create_task(watch.run())
-    pool = RolloutPool(settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch)
+    pool = RolloutPool(
+        settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch, watch.refresh
+    )
     evaluator = None
     if settings.eval.enabled:
         evaluator = Evaluator(
