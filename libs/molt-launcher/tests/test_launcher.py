@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -103,6 +104,34 @@ def test_ray_head_registers_the_learner_gpus_only_when_ray_places_its_ranks(tmp_
     assert learner and engines and not set(learner) & set(engines)
     assert local_launch.ray_gpus() == engines
     assert placed_launch.ray_gpus() == tuple(sorted(learner + engines))
+
+
+def test_rollout_side_runs_at_lower_priority_on_a_cpu_run(tmp_path: Path) -> None:
+    """Unset: niceness 10 on a CPU run (the tiny recipe), 0 with GPUs; a set value wins. The Ray head keeps
+    the default when Ray places the learner's ranks (they would inherit it)."""
+    cases = {
+        (TINY, ()): 10,
+        (TINY, ("launcher.rollout_nice=3",)): 3,
+        (ROOT / "recipes" / "qwen3-4b-math.toml", ()): 0,
+    }
+    for (path, sets), expected in cases.items():
+        recipe = load_recipe(path, list(sets))
+        assert Launch(recipe, plan_or_raise(recipe), tmp_path, io.StringIO()).rollout_nice() == expected
+
+
+def test_a_child_started_with_nice_runs_at_that_niceness(tmp_path: Path) -> None:
+    """``nice -n``: the command keeps its own pid (what stop and the run state track) and the niceness."""
+    child = ChildProcess(
+        [sys.executable, "-c", "import os, time; print(os.getpid(), os.nice(0), flush=True); time.sleep(600)"],
+        tmp_path / "nice.log",
+        nice=7,
+    )
+    process = child.spawn()
+    try:
+        pid, niceness = map(int, wait_for_line(child.log_path).split())
+        assert pid == process.pid and niceness == os.nice(0) + 7
+    finally:
+        child.stop(timeout_s=10)
 
 
 def test_redis_is_embedded_unless_a_url_is_given() -> None:
