@@ -120,7 +120,8 @@ def test_rollout_side_runs_at_lower_priority_on_a_cpu_run(tmp_path: Path) -> Non
 
 
 def test_a_child_started_with_nice_runs_at_that_niceness(tmp_path: Path) -> None:
-    """``nice -n``: the command keeps its own pid (what stop and the run state track) and the niceness."""
+    """``nice -n``: the command keeps its own pid (what stop and the run state track) and the niceness;
+    where sessions are scheduling groups (autogroup), its session's group gets it too."""
     child = ChildProcess(
         [sys.executable, "-c", "import os, time; print(os.getpid(), os.nice(0), flush=True); time.sleep(600)"],
         tmp_path / "nice.log",
@@ -130,6 +131,9 @@ def test_a_child_started_with_nice_runs_at_that_niceness(tmp_path: Path) -> None
     try:
         pid, niceness = map(int, wait_for_line(child.log_path).split())
         assert pid == process.pid and niceness == os.nice(0) + 7
+        autogroups = Path("/proc/sys/kernel/sched_autogroup_enabled")
+        if autogroups.exists() and autogroups.read_text().strip() == "1":
+            assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == "7"
     finally:
         child.stop(timeout_s=10)
 

@@ -139,13 +139,31 @@ def kill_session(session_id: int, timeout_s: float = 10.0) -> list[int]:
     return killed
 
 
+AUTOGROUPS = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Sets the nice value of ``pid``'s scheduling autogroup (its session's, where the kernel groups
+    sessions); False where it does not or the value cannot be set."""
+    try:
+        if AUTOGROUPS.read_text().strip() != "1":
+            return False
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        return False
+    return True
+
+
 class ChildProcess:
     """A command run in its own session, its output appended to ``log_path``; with ``nice`` > 0 at that
-    lower scheduling priority (``nice -n``: the command's own pid; its children inherit it)."""
+    lower scheduling priority: ``nice -n`` (the command keeps its own pid; its children inherit it) and,
+    where the kernel groups each session for scheduling (autogroup), the session's group too, since
+    there a process's nice value only ranks it against the processes of its own session."""
 
     def __init__(
         self, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, nice: int = 0
     ) -> None:
+        self.nice = nice
         self.args = ["nice", "-n", str(nice), *args] if nice else list(args)
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
@@ -162,6 +180,8 @@ class ChildProcess:
             self.process = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
+        if self.nice:
+            set_autogroup_nice(self.process.pid, self.nice)
         return self.process
 
     def stop(self, timeout_s: float = 60.0, sig: int = signal.SIGTERM) -> int | None:
