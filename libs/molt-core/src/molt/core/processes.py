@@ -211,9 +211,8 @@ class ServiceProcess(ChildProcess):
         log_path: Path,
         env: Mapping[str, str] | None = None,
         service: str = "",
-        nice: int = 0,
     ) -> None:
-        super().__init__(args, log_path, env, nice)
+        super().__init__(args, log_path, env)
         self.address = address
         self.service = service  # the health-checked service name: proves the right server answers
 

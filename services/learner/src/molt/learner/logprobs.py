@@ -45,9 +45,14 @@ def compiled_head() -> Head:
     return torch.compile(next_token_logprobs, dynamic=True)  # type: ignore[return-value]
 
 
-def _grid(values: Tensor, packed: Packed, rows: int) -> Tensor:
-    grid = torch.zeros((rows, packed.width), dtype=values.dtype, device=values.device)
-    return grid.index_put((to_device(packed.row, values.device), to_device(packed.column, values.device)), values)
+def _cells(packed: Packed, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Where each prediction goes on the ``[rows, T]`` grid: (row, column) on ``device``."""
+    return to_device(packed.row, device), to_device(packed.column, device)
+
+
+def _grid(values: Tensor, cells: tuple[Tensor, Tensor], rows: int, width: int) -> Tensor:
+    grid = torch.zeros((rows, width), dtype=values.dtype, device=values.device)
+    return grid.index_put(cells, values)
 
 
 def token_logprobs(
@@ -80,11 +85,11 @@ def token_logprobs(
     )
     targets = torch.roll(input_ids.flatten(), -1)  # the next token of each position (wrapping where unused)
     picked, entropies = head(out.logits.flatten(0, 1), targets, temperature, entropy, entropy_grad)
-    at = to_device(packed.predict_at, device)
+    at, cells = to_device(packed.predict_at, device), _cells(packed, device)
     if entropies is not None:
-        entropies = _grid(entropies[at], packed, rows)
+        entropies = _grid(entropies[at], cells, rows, packed.width)
         check_finite(entropy=entropies)
-    return _grid(picked[at], packed, rows), entropies
+    return _grid(picked[at], cells, rows, packed.width), entropies
 
 
 def token_values(critic: nn.Module, packed: Packed, rows: int) -> Tensor:
@@ -92,7 +97,8 @@ def token_values(critic: nn.Module, packed: Packed, rows: int) -> Tensor:
     which token k + 1 is sampled, in line with the logprobs and the loss mask). Gradients flow."""
     device = next(critic.parameters()).device
     values = critic(to_device(packed.input_ids, device), _positions(packed, device))
-    return _grid(values.flatten()[to_device(packed.predict_at, device)].float(), packed, rows)
+    at = to_device(packed.predict_at, device)
+    return _grid(values.flatten()[at].float(), _cells(packed, device), rows, packed.width)
 
 
 def _positions(packed: Packed, device: torch.device) -> Tensor | None:

@@ -20,9 +20,10 @@ Two layouts of a micro-batch (``[learner] micro_batch_layout``):
   kernel on the same ``[R, L]`` shape a plain training loop uses. The budget
   counts the padding (``R x L <= budget``); the split minimises the padded
   tokens (plus a fixed cost per micro-batch), so sequences of similar length
-  share a micro-batch and a long one does not pad short ones to its length. The default (``auto``): with SDPA the
-  packed row's dense mask makes attention cost (total tokens)^2 instead of the
-  sum of each sequence's length^2.
+  share a micro-batch and a long one does not pad short ones to its length.
+  The default (``auto``): with SDPA the packed row's dense mask makes
+  attention cost (total tokens)^2 instead of the sum of each sequence's
+  length^2.
 """
 
 from __future__ import annotations
@@ -87,14 +88,12 @@ def padded_micro_batches(
     def padded(i: int, k: int) -> int:
         return k * lengths[order[i]]
 
-    cut: list[int] = []  # cut[i]: where the micro-batch starting at order[i] ends
+    ends = [n] * n  # ends[i]: where the micro-batch starting at order[i] ends
     if at_most is None:
         overhead = budget / 16
         best = [0.0] * (n + 1)  # best[i]: the cost of order[i:]
-        cut = [n] * (n + 1)
         for i in range(n - 1, -1, -1):
-            best[i], cut[i] = min((padded(i, k) + overhead + best[i + k], i + k) for k in runs(i))
-        ends = [cut[i] for i in range(n)]
+            best[i], ends[i] = min((padded(i, k) + overhead + best[i + k], i + k) for k in runs(i))
     else:
         inf = float("inf")
         # least[p][i]: the fewest padded tokens of order[i:] in at most p micro-batches
@@ -105,7 +104,7 @@ def padded_micro_batches(
                 least[p][i], cuts[p][i] = min((padded(i, k) + least[p - 1][i + k], i + k) for k in runs(i))
         if n and least[at_most][0] == inf:
             raise ValueError(f"{n} sequences do not fit {at_most} micro-batches of {budget} padded tokens")
-        ends, p, i = [n] * n, at_most, 0
+        p, i = at_most, 0
         while i < n:
             ends[i] = cuts[p][i]
             i, p = cuts[p][i], p - 1
@@ -156,11 +155,12 @@ class Packed:
 
     @cached_property
     def _predictions(self) -> tuple[Tensor, Tensor, Tensor]:
-        predicted = torch.tensor(self.lengths) - 1  # next-token predictions of each sequence
+        lengths = torch.tensor(self.lengths)
+        predicted = lengths - 1  # next-token predictions of each sequence
         row = torch.repeat_interleave(torch.arange(len(self.lengths)), predicted)
         column = torch.cat([torch.arange(n) for n in predicted.tolist()])
         if self.packed:
-            starts = torch.cumsum(torch.tensor(self.lengths), 0) - torch.tensor(self.lengths)
+            starts = torch.cumsum(lengths, 0) - lengths
             return starts[row] + column, row, column
         return row * self.input_ids.shape[1] + column, row, column
 
