@@ -15,7 +15,9 @@ Two workloads: ``tiny`` is the recipe as it stands (responses of at most 8 token
 tiny random model; ``longtail`` swaps in ``bench/longtail_env.py`` (a per-episode budget with a
 Pareto tail, capped at 512 tokens; see there). Samples/s is the learner's consumed samples
 over the steps after the first ``--skip`` (engine warm-up, first refits), divided by the
-time between those steps' metrics lines. The ratio async/sync is printed per workload.
+time between those steps' metrics lines. The ratio async/sync is printed per workload, with the
+machine's busy CPUs over the same steps (``/proc/stat``) and each process's share. (vLLM's worker
+busy-polls for a second after its last step, so on a CPU engine its share counts idle spinning too.)
 
 Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--steps 40] [--skip 8] [--set K=V ...]``.
 """
@@ -30,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,52 @@ def mode_sets(mode: str, staleness: int) -> dict[str, str]:
     }
 
 
+class CpuSampler(threading.Thread):
+    """Every ``every_s``: the wall clock, the machine's busy CPU seconds (``/proc/stat``, all CPUs) and
+    each process's CPU seconds (``/proc/<pid>/stat``) by command name, for the busy share of a window."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.every_s = every_s
+        self.samples: list[tuple[float, float, dict[int, tuple[str, float]]]] = []
+        self.halt = threading.Event()
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.samples.append((time.time(), self.busy_s(), self.processes()))
+            self.halt.wait(self.every_s)
+
+    def busy_s(self) -> float:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        return (sum(ticks) - ticks[3] - ticks[4]) / self.tick
+
+    def processes(self) -> dict[int, tuple[str, float]]:
+        found: dict[int, tuple[str, float]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+            found[int(entry.name)] = (name, (int(rest[11]) + int(rest[12])) / self.tick)  # utime + stime
+        return found
+
+    def window(self, start: float, end: float) -> tuple[float, list[tuple[str, float]]]:
+        """Busy cores on average over [start, end] (nearest samples inside it) and CPU seconds per command."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        (t0, busy0, procs0), (t1, busy1, procs1) = inside[0], inside[-1]
+        per_name: dict[str, float] = {}
+        for pid, (name, cpu) in procs1.items():
+            before = procs0.get(pid, (name, 0.0))[1]
+            per_name[name] = per_name.get(name, 0.0) + cpu - before
+        top = sorted(per_name.items(), key=lambda item: -item[1])
+        return (busy1 - busy0) / (t1 - t0), [(name, cpu / (t1 - t0)) for name, cpu in top]
+
+
 def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One ``molt up`` run; returns what its metrics file says about throughput."""
     run_dir = workdir / f"{workload}-{mode}"
@@ -86,9 +135,13 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
     log = workdir / f"{workload}-{mode}.log"
     print(f"[{workload}/{mode}] molt up ... (log {log})", flush=True)
     started = time.monotonic()
+    sampler = CpuSampler()
+    sampler.start()
     with log.open("wb") as sink:
         code = subprocess.run(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=1800).returncode
     wall = time.monotonic() - started
+    sampler.halt.set()
+    sampler.join()
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-30:]
         raise SystemExit(f"[{workload}/{mode}] molt up exited with {code}:\n" + "\n".join(tail))
@@ -103,6 +156,7 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         for line in (run_dir / "logs" / "learner.log").read_text(errors="replace").splitlines()
         if '"refit done"' in line
     ][args.skip :]
+    busy_cores, per_process = sampler.window(timed[0]["time"], timed[-1]["time"])
     return {
         "workload": workload,
         "mode": mode,
@@ -119,6 +173,8 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "response_len_max": max(row["response_length/max"] for row in timed[1:]),
         "is_weight_mean": statistics.fmean(row.get("is_weight_mean", 1.0) for row in timed[1:]),
         "wall_s": wall,
+        "busy_cores": busy_cores,
+        "busy_by_process": [(name, round(cores, 3)) for name, cores in per_process[:8]],
     }
 
 
@@ -128,6 +184,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
     parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
     parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode (>= 1)")
+    parser.add_argument("--modes", default="sync,async", help="comma-separated, of sync, async (a ratio needs both)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", type=Path, help="put the run directories here and keep them (default: a temp dir)")
     parser.add_argument(
@@ -136,6 +193,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.staleness < 1 or args.steps < args.skip + 3:
         parser.error("need --staleness >= 1 and --steps >= --skip + 3")
+    if not set(args.modes.split(",")) <= {"sync", "async"}:
+        parser.error(f"unknown modes in {args.modes!r}")
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
@@ -150,22 +209,26 @@ def main() -> None:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         for workload in workloads:
-            pair = {mode: run_loop(workdir, workload, mode, args) for mode in ("sync", "async")}
+            pair = {mode: run_loop(workdir, workload, mode, args) for mode in args.modes.split(",")}
             results += pair.values()
             print(f"\n[{workload}]")
             print(
                 f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} {'wait s':>7} "
-                f"{'staleness':>9} {'resp len':>9} {'max len':>8}"
+                f"{'staleness':>9} {'resp len':>9} {'max len':>8} {'busy cpus':>9}"
             )
             for mode, r in pair.items():
                 print(
                     f"  {mode:6} {r['samples_per_s']:10.2f} {r['step_s_median']:8.2f} {r['train_s_median']:8.2f} "
                     f"{r['refit_s_median']:8.2f} {r['wait_s_median']:7.2f} {r['staleness_mean']:9.2f} "
                     f"{r['response_len_mean']:9.1f} "
-                    f"{r['response_len_max']:8.0f}"
+                    f"{r['response_len_max']:8.0f} {r['busy_cores']:9.2f}"
                 )
-            ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
-            print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)
+            for mode, r in pair.items():
+                shares = ", ".join(f"{name} {cores:.2f}" for name, cores in r["busy_by_process"])
+                print(f"  {mode} busy cpus by process: {shares}")
+            if {"sync", "async"} <= pair.keys():
+                ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
+                print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

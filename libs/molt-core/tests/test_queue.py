@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from molt.core.errors import Backpressure, InvalidInput
-from molt.core.queue import CONSUMER_GROUP, QueueKeys, TrajectoryQueue
+from molt.core.queue import CONSUMER_GROUP, PutResult, QueueKeys, QueueStats, TrajectoryQueue
 from molt.core.testing import RedisServer
 from molt.core.trajectory import group_problems
 from molt.v1 import common_pb2
@@ -107,6 +107,41 @@ def test_put_many_batches_keep_the_dedupe_and_the_bound(redis_client: redis.Redi
     assert [len(e.group.trajectories) for e in entries] == [2, 2, 2, 2]
     ids = [t.trajectory_id for e in entries for t in e.group.trajectories]
     assert len(ids) == len(set(ids)) == redis_client.scard(QueueKeys(RUN).seen_ids)
+
+
+def test_concurrent_producers_queue_every_group_once(redis_client: redis.Redis) -> None:
+    """Writers racing on one queue (each transaction WATCHes the stream and the id set, so a
+    collision aborts EXEC and the check runs again): every group lands exactly once, and of the
+    groups that share trajectory ids across writers exactly one is queued per shared id."""
+    TrajectoryQueue(redis_client, RUN, consumer="c0")  # creates the consumer group
+    writers, batches, per_batch = 4, 15, 3
+    contested = [uuid.uuid4().hex for _ in range(batches)]
+    outcomes: list[list[PutResult]] = [[] for _ in range(writers)]
+    together = threading.Barrier(writers)  # every writer offers batch b at the same moment
+
+    def produce(w: int) -> None:
+        queue = TrajectoryQueue(redis_client, RUN, max_length=10_000)
+        for b in range(batches):
+            batch = [make_group(samples=2) for _ in range(per_batch)]
+            rival = make_group(samples=1)
+            rival.trajectories[0].trajectory_id = contested[b]
+            batch.append(rival)  # every writer also offers the same contested id, each in its own group
+            together.wait(timeout=30)
+            outcomes[w].append(queue.put_many(batch))
+
+    threads = [threading.Thread(target=produce, args=(w,)) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    reader = TrajectoryQueue(redis_client, RUN, consumer="c0")
+    entries = reader.read(count=10_000)
+    ids = [t.trajectory_id for e in entries for t in e.group.trajectories]
+    assert len(entries) == writers * batches * per_batch + batches
+    assert len(ids) == len(set(ids)) == redis_client.scard(QueueKeys(RUN).seen_ids)
+    assert all(r.entry_id is not None for outcome in outcomes for put in outcome for r in put[:per_batch])
+    winners = [sum(outcome[b][per_batch].entry_id is not None for outcome in outcomes) for b in range(batches)]
+    assert winners == [1] * batches
 
 
 def test_backpressure_engages_at_the_bound_and_never_drops(redis_client: redis.Redis) -> None:
@@ -254,6 +289,25 @@ def test_entries_of_a_killed_consumer_are_reclaimed_once(redis_server: RedisServ
     assert queue.stats().pending == 0 and queue.stats().depth == 0
     seen = [e.group.prompt_id for e in fresh + reclaimed]
     assert sorted(seen) == [f"p{i}" for i in range(5)]
+
+
+def test_an_ack_cut_off_after_its_xdel_is_completed_by_the_next_reclaim(redis_client: redis.Redis) -> None:
+    """``ack`` sends XDEL, then XACK, without a transaction. The state a connection lost between the
+    two leaves (entries deleted from the stream, still pending for their consumer) is made here with
+    those two commands' first half; the next reclaim must acknowledge them and deliver nothing."""
+    queue = TrajectoryQueue(redis_client, RUN, consumer="survivor", reclaim_after_s=0.2)
+    for i in range(3):
+        queue.put(make_group(prompt_id=f"p{i}"))
+    cut_off = TrajectoryQueue(redis_client, RUN, consumer="cut-off")
+    taken = [e.entry_id for e in cut_off.read(count=2)]
+    redis_client.xdel(QueueKeys(RUN).stream, *taken)  # the ack's XDEL arrived, its XACK did not
+    assert queue.stats().pending == 2 and queue.stats().depth == 1
+    time.sleep(0.3)
+    delivered = queue.read(count=10)
+    assert [e.group.prompt_id for e in delivered] == ["p2"]
+    assert queue.stats().pending == 1  # only the entry just delivered to the survivor
+    queue.ack([e.entry_id for e in delivered])
+    assert queue.stats() == QueueStats(depth=0, pending=0, lag=0, dead_letters=0)
 
 
 def test_restarted_consumer_gets_its_own_pending_entries_first(redis_client: redis.Redis) -> None:

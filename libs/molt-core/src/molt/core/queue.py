@@ -24,6 +24,7 @@ from typing import Any
 import redis
 from google.protobuf.message import DecodeError
 from redis.client import Pipeline
+from redis.connection import Connection
 
 from molt.core.errors import Backpressure, InvalidInput
 from molt.core.trajectory import group_problems
@@ -124,6 +125,7 @@ class TrajectoryQueue:
         self._put = client.register_script(_PUT_SCRIPT)
         self._held: set[str] = set()  # delivered to this instance, not yet acknowledged
         self._own_pending_read = False
+        self._next_reclaim = 0.0  # monotonic time of the next XAUTOCLAIM check
         if consumer is not None:
             self._ensure_group()
 
@@ -170,32 +172,53 @@ class TrajectoryQueue:
         return results
 
     def _put_transaction(self, groups: Sequence[common_pb2.TrajectoryGroup], payloads: list[bytes]) -> list[str] | None:
-        """The common case without Lua: WATCH the stream and the id set, check that every group fits
-        and no id was seen, then SADD + XADD them all in one MULTI/EXEC (a concurrent writer makes
-        EXEC fail and the check run again). Returns the entry ids, or None when some group is a
-        duplicate, the queue lacks room, or writers keep colliding: the put script handles those.
-        (Passing the payload through a Lua script copies it twice more: ~2x the put time at 100 KB.)"""
+        """The common case without Lua, in two round trips on one connection: WATCH the stream and the
+        id set, XLEN and SMISMEMBER; then, when every group fits and no id was seen, SADD + XADD them all
+        in one MULTI/EXEC (a concurrent writer makes EXEC fail and the check run again). Returns the
+        entry ids, or None when some group is a duplicate, the queue lacks room, or writers keep
+        colliding: the put script handles those. (Passing the payload through a Lua script copies it
+        twice more: ~2x the put time at 100 KB; redis-py's own WATCH pipeline takes four round trips.)"""
         ids = [t.trajectory_id for group in groups for t in group.trajectories]
         if len(set(ids)) != len(ids):  # an id twice in this batch: the script path keeps the first only
             return None
+        pool = self.client.connection_pool
         for _ in range(3):
-            with self.client.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(self.keys.stream, self.keys.seen_ids)
-                    length = int(pipe.xlen(self.keys.stream))
-                    seen = pipe.smismember(self.keys.seen_ids, ids) if ids else []
-                    if length + len(groups) > self.max_length or any(seen):
-                        pipe.unwatch()
-                        return None
-                    pipe.multi()
-                    pipe.sadd(self.keys.seen_ids, *ids)
-                    for payload in payloads:
-                        pipe.xadd(self.keys.stream, {PAYLOAD_FIELD: payload})
-                    replies = pipe.execute()
-                except redis.WatchError:
-                    continue
-            return [entry.decode() if isinstance(entry, bytes) else str(entry) for entry in replies[1:]]
+            connection = pool.get_connection()
+            try:
+                replies = self._watched_put(connection, ids, len(groups), payloads)
+            except BaseException:
+                connection.disconnect()  # replies may be left unread: the connection must not be reused
+                raise
+            finally:
+                pool.release(connection)
+            if replies is False:
+                return None
+            if replies is not None:  # None: a watched key changed before EXEC
+                failed = [reply for reply in replies if isinstance(reply, Exception)]
+                if failed:
+                    raise failed[0]
+                return [entry.decode() if isinstance(entry, bytes) else str(entry) for entry in replies[1:]]
         return None
+
+    def _watched_put(self, connection: Connection, ids: list[str], count: int, payloads: list[bytes]) -> Any:
+        """One optimistic attempt: False when the check fails, else EXEC's reply (None if it aborted)."""
+        stream, seen_ids = self.keys.stream, self.keys.seen_ids
+        connection.send_packed_command(
+            connection.pack_commands([("WATCH", stream, seen_ids), ("XLEN", stream), ("SMISMEMBER", seen_ids, *ids)])
+        )
+        connection.read_response()
+        length = int(connection.read_response())
+        seen = connection.read_response()
+        if length + count > self.max_length or any(seen):
+            connection.send_command("UNWATCH")
+            connection.read_response()
+            return False
+        commands: list[tuple[Any, ...]] = [("MULTI",), ("SADD", seen_ids, *ids)]
+        commands += [("XADD", stream, "*", PAYLOAD_FIELD, payload) for payload in payloads]
+        connection.send_packed_command(connection.pack_commands([*commands, ("EXEC",)]))
+        for _ in commands:  # +OK for MULTI, +QUEUED for each command
+            connection.read_response()
+        return connection.read_response()
 
     def _put_script(
         self, group: common_pb2.TrajectoryGroup, client: redis.Redis | Pipeline, payload: bytes | None = None
@@ -246,8 +269,10 @@ class TrajectoryQueue:
 
         Order: first (once per instance) entries this consumer name left pending
         before a restart, then entries other consumers left idle past
-        ``reclaim_after_s``, then new entries in stream order (waiting up to
-        ``block_s`` for one). Malformed entries go to the dead-letter stream.
+        ``reclaim_after_s`` (looked for at most every quarter of it, so such an
+        entry comes back within 1.25x the timeout), then new entries in stream
+        order (waiting up to ``block_s`` for one). Malformed entries go to the
+        dead-letter stream.
         """
         if self.consumer is None:
             raise InvalidInput("this TrajectoryQueue has no consumer name; it can only put")
@@ -255,7 +280,9 @@ class TrajectoryQueue:
         if not self._own_pending_read:
             raw += self._read_stream("0", count, None)
             self._own_pending_read = True
-        if len(raw) < count:
+        now = time.monotonic()
+        if len(raw) < count and now >= self._next_reclaim:
+            self._next_reclaim = now + self.reclaim_after_s / 4
             raw += self._reclaim(count - len(raw))
         if not raw:
             raw += self._read_stream(">", count, block_s)
@@ -307,13 +334,18 @@ class TrajectoryQueue:
             pipe.execute()
 
     def ack(self, entry_ids: Sequence[str]) -> int:
-        """Acknowledges and deletes entries (call only after their use is committed); returns how many were pending."""
+        """Acknowledges and deletes entries (call only after their use is committed); returns how many were pending.
+
+        XDEL goes first, without a transaction: if the connection dies between the two, the entry is
+        gone from the stream but still pending, and the next reclaim acknowledges it (XAUTOCLAIM
+        reports it as deleted); the other order could leave an acknowledged entry in the stream,
+        holding a place in the bound forever."""
         if not entry_ids:
             return 0
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
+        with self.client.pipeline(transaction=False) as pipe:
             pipe.xdel(self.keys.stream, *entry_ids)
-            acked, _ = pipe.execute()
+            pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
+            _, acked = pipe.execute()
         self._held.difference_update(entry_ids)
         return int(acked)
 
