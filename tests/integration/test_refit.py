@@ -224,3 +224,44 @@ def test_failed_probe_keeps_the_router_paused_until_a_refit_validates(stack: dic
     assert not router_paused(stack["router"])
     assert set(asyncio.run(sample(stack["router"], seed=5)).policy_versions) == {10}
     publisher.close()
+
+
+def test_probe_every_nth_refit_the_first_included(stack: dict[str, Any]) -> None:
+    """``refit_probe_every = 2``: a new publisher probes its 1st and 3rd refits; the 2nd is validated by
+    coverage and checksums alone, and the engine keeps serving after each (the probe's re-pause
+    keeps the KV cache computed under the new weights)."""
+    settings = stack["settings"].model_copy(update={"refit_probe_every": 2})
+    publisher = WeightPublisher(settings, vocab_size=320)
+    model_b = load(stack["model_b"])
+    reports = []
+    for step in (11, 12, 13):
+        publisher(step, model_b)
+        publisher.wait()  # the refit runs in the background (refit_overlap)
+        assert publisher.last_report is not None
+        reports.append(publisher.last_report)
+        assert not router_paused(stack["router"])
+        assert set(asyncio.run(sample(stack["router"], seed=step)).policy_versions) == {step}
+    assert [r.HasField("probe_max_abs_logprob_diff") for r in reports] == [True, False, True]
+    assert all(r.coverage_ok and r.checksums_ok for r in reports)
+    assert reports[0].probe_max_abs_logprob_diff < 1e-3 and reports[2].probe_max_abs_logprob_diff < 1e-3
+    publisher.close()
+
+
+def test_an_overlapped_refit_sends_the_weights_of_its_step(stack: dict[str, Any]) -> None:
+    """With ``refit_overlap`` the call returns while the refit is on the wire and the loop's next
+    optimizer step changes the weights in place; the engine must get the weights as they were at
+    the call (on one CPU rank the full state dict holds the live parameters, so they are copied)."""
+    settings = stack["settings"].model_copy(update={"refit_overlap": True, "refit_probe_every": 1})
+    publisher = WeightPublisher(settings, vocab_size=320)
+    model = load(stack["model_b"])
+    publisher(14, model)
+    assert publisher.in_flight is not None
+    with torch.no_grad():  # what the next step's optimizer does meanwhile
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    publisher.wait()  # raises if the probe saw other weights than the learner's at the call
+    report = publisher.last_report
+    assert report is not None and report.coverage_ok and report.checksums_ok
+    assert report.probe_max_abs_logprob_diff < 1e-3
+    assert set(asyncio.run(sample(stack["router"], seed=14)).policy_versions) == {14}
+    publisher.close()

@@ -132,7 +132,14 @@ class LearnerSettings(ServiceSettings):
         512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes."
     )
     refit_probe_tokens: int = Field(32, ge=0, description="Length of the teacher-forced refit probe; 0 = no probe.")
+    refit_probe_every: int = Field(
+        1, ge=1, description="Probe every N-th refit (and always the first after a start); checksums every one."
+    )
     refit_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one refit, seconds.")
+    refit_overlap: bool = Field(
+        True,
+        description="Train the next step while a refit is on the wire (weights snapshotted first); false: wait.",
+    )
     model_path: Path = Field(description="Local directory of the initial policy (save_pretrained layout).")
     backend: Literal["auto", "torch", "automodel"] = Field(
         "auto",

@@ -41,7 +41,7 @@ from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import GROUP_ESTIMATORS, LearnerSettings
 from molt.learner.metrics import MetricsLog
 from molt.learner.ranks import SINGLE, RankInfo
-from molt.learner.refit import WeightPublisher, gather_for_refit, probe_token_ids
+from molt.learner.refit import WeightPublisher, gather_for_refit
 from molt.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,8 @@ class LearnerLoop:
             self.metrics.record(step, {**step_metrics, **dropped})
         if self.on_step is not None:
             if isinstance(self.on_step, WeightPublisher) and self.on_step.wants(step):
-                self._broadcast(("refit", None))  # the publisher's gather is a collective of every rank
+                # The publisher's gather (and probe forward) is a collective of every rank.
+                self._broadcast(("refit", self.on_step.next_probe()))
             self.on_step(step, self.trainer.model)
         if step % self.settings.checkpoint_every == 0:
             self._checkpoint()
@@ -308,6 +309,8 @@ class LearnerLoop:
             self._finished = True
             stop = self._requests.stop
             save = stop is None or self._requests.stop_with_checkpoint
+        if isinstance(self.on_step, WeightPublisher):
+            self.on_step.wait()  # the last step's refit: published, or its failure raised here
         if save:
             self._checkpoint()
         self._serve_checkpoint_requests()
@@ -343,8 +346,7 @@ class LearnerLoop:
             elif command == "checkpoint":
                 self.checkpoints.save(self.trainer, payload)
             elif command == "refit":
-                vocab = self.trainer.model.config.vocab_size
-                gather_for_refit(self.trainer.model, probe_token_ids(vocab, self.settings.refit_probe_tokens))
+                gather_for_refit(self.trainer.model, payload)
             else:
                 return
 

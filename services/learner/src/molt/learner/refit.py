@@ -6,8 +6,12 @@ collective, so followers run it too), computes the probe logprobs, asks the
 weight-broadcaster to refit (``RefitWeights``, in a thread: the call returns
 only after validation), waits in the group's store for the broadcaster's go,
 joins the weight group when its generation changed, and broadcasts the
-buckets as rank 0. A failed refit raises: the loop stops with a checkpoint
-rather than train on while the engines serve something else.
+buckets as rank 0. With ``refit_overlap`` (the default) everything after the
+gather runs in a background thread on a snapshot of the weights, so the loop
+trains the next step meanwhile; one refit is in flight at a time (the next
+waits for it). A failed refit raises, at the latest one step later: the loop
+stops with a checkpoint rather than train on while the engines serve
+something else.
 
 Names are the HF checkpoint's (vLLM maps them onto its fused parameters); a
 tied ``lm_head.weight`` is not sent (the engine ties it to the embedding).
@@ -18,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import grpc
@@ -62,6 +66,13 @@ def gather_for_refit(model: nn.Module, probe: list[int]) -> tuple[dict[str, Tens
     return state, logprobs.cpu().tolist()
 
 
+def snapshot(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """``state`` with every tensor that shares memory with ``model`` copied (on one CPU rank the full
+    state dict holds the live parameters, which the next optimizer step would change mid-send)."""
+    live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    return {name: t.clone() if t.untyped_storage().data_ptr() in live else t for name, t in state.items()}
+
+
 class WeightPublisher:
     """Rank 0's refit client (see the module docstring)."""
 
@@ -80,6 +91,19 @@ class WeightPublisher:
         self.host = ""
         self.port = 0
         self.last_report: weights_pb2.RefitReport | None = None
+        self.refits = 0  # started by this process through __call__
+        self.in_flight: Future[weights_pb2.RefitWeightsResponse] | None = None
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="refit-send")
+
+    def next_probe(self) -> list[int]:
+        """The probe tokens of the next refit: every ``refit_probe_every``-th one, the first included."""
+        return self.probe if self.refits % self.settings.refit_probe_every == 0 else []
+
+    def wait(self) -> None:
+        """Returns once the refit in flight (if any) is published; raises what it raised."""
+        pending, self.in_flight = self.in_flight, None
+        if pending is not None:
+            pending.result()
 
     def register(self) -> None:
         try:
@@ -103,8 +127,16 @@ class WeightPublisher:
     def __call__(self, step: int, model: nn.Module) -> None:
         if not self.wants(step):
             return
-        state, probe_logprobs = gather_for_refit(model, self.probe)
-        self.publish(step, state, probe_logprobs if self.probe else None)
+        self.wait()
+        probe = self.next_probe()
+        self.refits += 1
+        state, probe_logprobs = gather_for_refit(model, probe)
+        if not self.settings.refit_overlap:
+            self.publish(step, state, probe_logprobs if probe else None, probe=probe)
+            return
+        self.in_flight = self.sender.submit(
+            self.publish, step, snapshot(state, model), probe_logprobs if probe else None, probe=probe
+        )
 
     @staticmethod
     def manifest(state: dict[str, Tensor]) -> list[TensorMeta]:
@@ -117,11 +149,13 @@ class WeightPublisher:
         state: dict[str, Tensor],
         probe_logprobs: list[float] | None,
         manifest: list[TensorMeta] | None = None,
+        probe: list[int] | None = None,
     ) -> weights_pb2.RefitWeightsResponse:
         """One refit of ``state`` as the weights of ``step``; returns the broadcaster's response.
 
-        ``manifest`` defaults to ``self.manifest(state)``; tests pass another one to cause the fault
-        of bytes that differ from what was announced."""
+        ``probe_logprobs`` score ``probe`` (default ``self.probe``); None runs no probe. ``manifest``
+        defaults to ``self.manifest(state)``; tests pass another one to cause the fault of bytes
+        that differ from what was announced."""
         if self.store is None:
             self.register()
         assert self.store is not None
@@ -136,7 +170,7 @@ class WeightPublisher:
             ],
             bucket_bytes=self.settings.refit_bucket_bytes,
             run_probe=probe_logprobs is not None,
-            probe_token_ids=self.probe if probe_logprobs is not None else [],
+            probe_token_ids=(self.probe if probe is None else probe) if probe_logprobs is not None else [],
             probe_logprobs=probe_logprobs or [],
         )
         call = self.calls.submit(self.stub.RefitWeights, request, timeout=self.settings.refit_timeout_s)
@@ -188,6 +222,9 @@ class WeightPublisher:
         return response
 
     def close(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.cancel()
+        self.sender.shutdown(wait=True)
         if self.group is not None:
             self.group.close()
         self.calls.shutdown(wait=False)

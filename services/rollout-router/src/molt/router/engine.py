@@ -237,7 +237,7 @@ class EngineActor:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"probe-{uuid4()}"):
                 final = output
         finally:
-            await self.llm.pause_generation(mode="keep", clear_cache=True)
+            await self.llm.pause_generation(mode="keep", clear_cache=False)  # its KV is under the new weights
         assert final is not None and final.prompt_logprobs is not None
         return [entry[token].logprob for token, entry in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
 

@@ -234,9 +234,11 @@ class Broadcaster:
             rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
         )
         await self.router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), timeout=600)
+        phases = {"pause": time.perf_counter() - started}
         resumed = False
         try:
             reports = await self._move(request, metas)
+            phases["move"] = time.perf_counter() - started - sum(phases.values())
             report = weights_pb2.RefitReport(
                 byte_count=sum(m.nbytes for m in metas),
                 tensor_count=len(metas),
@@ -263,6 +265,7 @@ class Broadcaster:
             probed = request.run_probe and self.settings.probe
             if probed:
                 worst = await self._probe(request)
+                phases["probe"] = time.perf_counter() - started - sum(phases.values())
                 report.probe_max_abs_logprob_diff = worst
                 if worst > self.settings.probe_tolerance:
                     raise WrongState(
@@ -270,8 +273,10 @@ class Broadcaster:
                         f"(> tolerance {self.settings.probe_tolerance})"
                     )
             version = await self._publish(request.learner_step)
+            phases["publish"] = time.perf_counter() - started - sum(phases.values())
             await self._resume(version.version)
             resumed = True
+            phases["resume"] = time.perf_counter() - started - sum(phases.values())
             if self.paused_by_failure:
                 log.info("engines consistent again after a failed refit", extra={"version": version.version})
                 self.paused_by_failure = None
@@ -286,6 +291,7 @@ class Broadcaster:
                     "bytes": report.byte_count,
                     "buckets": report.bucket_count,
                     "seconds": round(time.perf_counter() - started, 3),
+                    "phase_seconds": {name: round(value, 4) for name, value in phases.items()},
                     "probe_max_abs_diff": report.probe_max_abs_logprob_diff if probed else None,
                 },
             )
