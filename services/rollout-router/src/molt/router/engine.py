@@ -222,22 +222,21 @@ class EngineActor:
     async def probe(self, token_ids: list[int], policy_version: int) -> list[float]:
         """Teacher-forced logprobs of ``token_ids[1:]`` under the loaded weights (temperature 1, no cut).
 
-        Runs between a refit's load and the router's resume: the version is set
-        first, so any suspended request that moves during the probe is stamped
-        with the weights that sampled it; the engine is paused again afterwards.
+        Runs between a refit's load and the router's resume: the version is set first, then the
+        engine resumes (the router still admits nothing new), so any suspended request that moves
+        from here on is stamped with the weights that sample it. The engine is left running: the
+        router's resume follows at once when the probe agrees, and when it does not the
+        broadcaster pauses the router, and with it this engine, again.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.policy_version = policy_version
         await self.llm.resume_generation()
-        try:
-            params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-            final = None
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"probe-{uuid4()}"):
-                final = output
-        finally:
-            await self.llm.pause_generation(mode="keep", clear_cache=False)  # its KV is under the new weights
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        final = None
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"probe-{uuid4()}"):
+            final = output
         assert final is not None and final.prompt_logprobs is not None
         return [entry[token].logprob for token, entry in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
 

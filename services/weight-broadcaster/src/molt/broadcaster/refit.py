@@ -236,6 +236,7 @@ class Broadcaster:
         await self.router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), timeout=600)
         phases = {"pause": time.perf_counter() - started}
         resumed = False
+        running = False  # the engines run again after a probe that agreed, before the router resumes
         try:
             reports = await self._move(request, metas)
             phases["move"] = time.perf_counter() - started - sum(phases.values())
@@ -267,7 +268,8 @@ class Broadcaster:
                 worst = await self._probe(request)
                 phases["probe"] = time.perf_counter() - started - sum(phases.values())
                 report.probe_max_abs_logprob_diff = worst
-                if worst > self.settings.probe_tolerance:
+                running = worst <= self.settings.probe_tolerance
+                if not running:
                     raise WrongState(
                         f"probe: engine and learner logprobs differ by up to {worst:.3g} "
                         f"(> tolerance {self.settings.probe_tolerance})"
@@ -297,12 +299,16 @@ class Broadcaster:
             )
             return weights_pb2.RefitWeightsResponse(policy_version=version, report=report)
         except MoltError as exc:
+            if running and not resumed:
+                await self._repause_quietly()
             if not resumed:
                 self.paused_by_failure = exc.message
                 metrics.REFITS.labels(outcome="failed_paused").inc()
                 log.error("refit failed, engines stay paused", extra={"reason": exc.message})
             raise
         except BaseException:
+            if running and not resumed:
+                await self._repause_quietly()
             if not resumed:
                 self.group.learner_joined = False
                 self.paused_by_failure = f"refit {request.request_id} crashed"
@@ -358,12 +364,34 @@ class Broadcaster:
         return "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
 
     async def _probe(self, request: weights_pb2.RefitWeightsRequest) -> float:
+        """The largest |engine - learner| probe logprob. The engines run during the probe (the router
+        admits nothing new); when it fails in any way they are paused again, through the router."""
         tokens = list(request.probe_token_ids)
         expected = list(request.probe_logprobs)
-        results = await asyncio.gather(
-            *(e.actor.probe.remote(tokens, request.learner_step) for e in self.engines.values())
+        try:
+            results = await asyncio.gather(
+                *(e.actor.probe.remote(tokens, request.learner_step) for e in self.engines.values())
+            )
+            worst = max(abs(a - b) for got in results for a, b in zip(got, expected, strict=True))
+            if worst <= self.settings.probe_tolerance:
+                return worst
+        except BaseException:
+            await self._repause()
+            raise
+        await self._repause()
+        return worst
+
+    async def _repause(self) -> None:
+        await self.router.PauseGeneration(
+            rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=600
         )
-        return max(abs(a - b) for got in results for a, b in zip(got, expected, strict=True))
+
+    async def _repause_quietly(self) -> None:
+        """``_repause`` on a failure path: its own error is logged, the original one is what is raised."""
+        try:
+            await self._repause()
+        except Exception:
+            log.exception("could not pause the engines again after a failed refit")
 
     async def _publish(self, learner_step: int) -> common_pb2.PolicyVersion:
         now = Timestamp()
