@@ -135,8 +135,18 @@ class WeightPublisher:
             self.publish(step, state, probe_logprobs if probe else None, probe=probe)
             return
         self.in_flight = self.sender.submit(
-            self.publish, step, snapshot(state, model), probe_logprobs if probe else None, probe=probe
+            self._publish_aside, step, snapshot(state, model), probe_logprobs if probe else None, probe
         )
+
+    def _publish_aside(
+        self, step: int, state: dict[str, Tensor], probe_logprobs: list[float] | None, probe: list[int]
+    ) -> weights_pb2.RefitWeightsResponse:
+        """``publish`` in the sender thread. On a GPU its copies and NCCL waits go on a stream of their
+        own: on the default stream they would hold back the training kernels queued behind them."""
+        if not torch.cuda.is_available():
+            return self.publish(step, state, probe_logprobs, probe=probe)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return self.publish(step, state, probe_logprobs, probe=probe)
 
     @staticmethod
     def manifest(state: dict[str, Tensor]) -> list[TensorMeta]:
