@@ -27,7 +27,6 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
 PICKED_PORTS_FROM = 20000  # above Ray's default worker ports (10002-19999)
 
 
