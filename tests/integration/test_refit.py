@@ -228,8 +228,8 @@ def test_failed_probe_keeps_the_router_paused_until_a_refit_validates(stack: dic
 
 def test_probe_every_nth_refit_the_first_included(stack: dict[str, Any]) -> None:
     """``refit_probe_every = 2``: a new publisher probes its 1st and 3rd refits; the 2nd is validated by
-    coverage and checksums alone, and the engine keeps serving after each (the probe's re-pause
-    keeps the KV cache computed under the new weights)."""
+    coverage and checksums alone, and the engine serves at the new version after each (a probe
+    leaves the engines running; the router's resume follows)."""
     settings = stack["settings"].model_copy(update={"refit_probe_every": 2})
     publisher = WeightPublisher(settings, vocab_size=320)
     model_b = load(stack["model_b"])

@@ -66,6 +66,20 @@ def duration_of(value: float) -> Duration:
     return out
 
 
+class PhaseClock:
+    """Seconds since it was made, split into named phases (each ``lap`` ends one)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def lap(self, name: str) -> None:
+        self.phases[name] = self.elapsed() - sum(self.phases.values())
+
+
 @dataclass
 class Engine:
     """A registered engine: its Ray actor and its workers' first rank in the current generation."""
@@ -226,7 +240,7 @@ class Broadcaster:
         self, request: weights_pb2.RefitWeightsRequest, metas: list[TensorMeta]
     ) -> weights_pb2.RefitWeightsResponse:
         assert self.store is not None
-        started = time.perf_counter()
+        clock = PhaseClock()
         await self.discover_engines()
         if not self.engines:
             raise Unavailable("no engine is registered")
@@ -234,12 +248,12 @@ class Broadcaster:
             rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
         )
         await self.router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), timeout=600)
-        phases = {"pause": time.perf_counter() - started}
+        clock.lap("pause")
         resumed = False
-        running = False  # the engines run again after a probe that agreed, before the router resumes
+        running = False  # the probe resumes the engines; the router admits nothing new until its resume
         try:
             reports = await self._move(request, metas)
-            phases["move"] = time.perf_counter() - started - sum(phases.values())
+            clock.lap("move")
             report = weights_pb2.RefitReport(
                 byte_count=sum(m.nbytes for m in metas),
                 tensor_count=len(metas),
@@ -265,26 +279,26 @@ class Broadcaster:
                 raise WrongState("refit loaded but did not validate: " + "; ".join(problems))
             probed = request.run_probe and self.settings.probe
             if probed:
+                running = True
                 worst = await self._probe(request)
-                phases["probe"] = time.perf_counter() - started - sum(phases.values())
+                clock.lap("probe")
                 report.probe_max_abs_logprob_diff = worst
-                running = worst <= self.settings.probe_tolerance
-                if not running:
+                if worst > self.settings.probe_tolerance:
                     raise WrongState(
                         f"probe: engine and learner logprobs differ by up to {worst:.3g} "
                         f"(> tolerance {self.settings.probe_tolerance})"
                     )
             version = await self._publish(request.learner_step)
-            phases["publish"] = time.perf_counter() - started - sum(phases.values())
+            clock.lap("publish")
             await self._resume(version.version)
             resumed = True
-            phases["resume"] = time.perf_counter() - started - sum(phases.values())
+            clock.lap("resume")
             if self.paused_by_failure:
                 log.info("engines consistent again after a failed refit", extra={"version": version.version})
                 self.paused_by_failure = None
-            report.duration.CopyFrom(duration_of(time.perf_counter() - started))
+            report.duration.CopyFrom(duration_of(clock.elapsed()))
             metrics.REFITS.labels(outcome="ok").inc()
-            metrics.REFIT_SECONDS.observe(time.perf_counter() - started)
+            metrics.REFIT_SECONDS.observe(clock.elapsed())
             metrics.REFIT_BYTES.inc(report.byte_count)
             log.info(
                 "refit published",
@@ -292,15 +306,15 @@ class Broadcaster:
                     "version": version.version,
                     "bytes": report.byte_count,
                     "buckets": report.bucket_count,
-                    "seconds": round(time.perf_counter() - started, 3),
-                    "phase_seconds": {name: round(value, 4) for name, value in phases.items()},
+                    "seconds": round(clock.elapsed(), 3),
+                    "phase_seconds": {name: round(value, 4) for name, value in clock.phases.items()},
                     "probe_max_abs_diff": report.probe_max_abs_logprob_diff if probed else None,
                 },
             )
             return weights_pb2.RefitWeightsResponse(policy_version=version, report=report)
         except MoltError as exc:
             if running and not resumed:
-                await self._repause_quietly()
+                await self._pause_again()
             if not resumed:
                 self.paused_by_failure = exc.message
                 metrics.REFITS.labels(outcome="failed_paused").inc()
@@ -308,7 +322,7 @@ class Broadcaster:
             raise
         except BaseException:
             if running and not resumed:
-                await self._repause_quietly()
+                await self._pause_again()
             if not resumed:
                 self.group.learner_joined = False
                 self.paused_by_failure = f"refit {request.request_id} crashed"
@@ -364,32 +378,21 @@ class Broadcaster:
         return "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
 
     async def _probe(self, request: weights_pb2.RefitWeightsRequest) -> float:
-        """The largest |engine - learner| probe logprob. The engines run during the probe (the router
-        admits nothing new); when it fails in any way they are paused again, through the router."""
+        """The largest |engine - learner| probe logprob; the engines resume for it and stay running."""
         tokens = list(request.probe_token_ids)
         expected = list(request.probe_logprobs)
-        try:
-            results = await asyncio.gather(
-                *(e.actor.probe.remote(tokens, request.learner_step) for e in self.engines.values())
-            )
-            worst = max(abs(a - b) for got in results for a, b in zip(got, expected, strict=True))
-            if worst <= self.settings.probe_tolerance:
-                return worst
-        except BaseException:
-            await self._repause()
-            raise
-        await self._repause()
-        return worst
-
-    async def _repause(self) -> None:
-        await self.router.PauseGeneration(
-            rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=600
+        results = await asyncio.gather(
+            *(e.actor.probe.remote(tokens, request.learner_step) for e in self.engines.values())
         )
+        return max(abs(a - b) for got in results for a, b in zip(got, expected, strict=True))
 
-    async def _repause_quietly(self) -> None:
-        """``_repause`` on a failure path: its own error is logged, the original one is what is raised."""
+    async def _pause_again(self) -> None:
+        """After a probe, on a failure path: pauses the router, and with it the engines, again. Its own
+        error is logged; the refit's failure is what is raised."""
         try:
-            await self._repause()
+            await self.router.PauseGeneration(
+                rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=600
+            )
         except Exception:
             log.exception("could not pause the engines again after a failed refit")
 
