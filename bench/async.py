@@ -36,10 +36,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchlib import CpuSampler
 
 from molt.core.processes import free_port
 
@@ -70,52 +71,6 @@ def mode_sets(mode: str, staleness: int) -> dict[str, str]:
         staleness = UNBOUNDED
         sets["learner.refit_every"] = "0"
     return {**sets, "learner.max_staleness": str(staleness), "agent_pool.max_staleness": str(staleness)}
-
-
-class CpuSampler(threading.Thread):
-    """Every ``every_s``: the wall clock, the machine's busy CPU seconds (``/proc/stat``, all CPUs) and
-    each process's CPU seconds (``/proc/<pid>/stat``) by command name, for the busy share of a window."""
-
-    def __init__(self, every_s: float = 0.5) -> None:
-        super().__init__(daemon=True)
-        self.every_s = every_s
-        self.samples: list[tuple[float, float, dict[int, tuple[str, float]]]] = []
-        self.halt = threading.Event()
-        self.tick = os.sysconf("SC_CLK_TCK")
-
-    def run(self) -> None:
-        while not self.halt.is_set():
-            self.samples.append((time.time(), self.busy_s(), self.processes()))
-            self.halt.wait(self.every_s)
-
-    def busy_s(self) -> float:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
-        return (sum(ticks) - ticks[3] - ticks[4]) / self.tick
-
-    def processes(self) -> dict[int, tuple[str, float]]:
-        found: dict[int, tuple[str, float]] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                text = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-            found[int(entry.name)] = (name, (int(rest[11]) + int(rest[12])) / self.tick)  # utime + stime
-        return found
-
-    def window(self, start: float, end: float) -> tuple[float, list[tuple[str, float]]]:
-        """Busy cores on average over [start, end] (nearest samples inside it) and CPU seconds per command."""
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        (t0, busy0, procs0), (t1, busy1, procs1) = inside[0], inside[-1]
-        per_name: dict[str, float] = {}
-        for pid, (name, cpu) in procs1.items():
-            before = procs0.get(pid, (name, 0.0))[1]
-            per_name[name] = per_name.get(name, 0.0) + cpu - before
-        top = sorted(per_name.items(), key=lambda item: -item[1])
-        return (busy1 - busy0) / (t1 - t0), [(name, cpu / (t1 - t0)) for name, cpu in top]
 
 
 def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:

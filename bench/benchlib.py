@@ -7,7 +7,10 @@ Imports happen inside the functions: the GPU benches run where only torch and tr
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +37,14 @@ def qwen2_config(hidden: int, intermediate: int, layers: int, vocab: int, max_po
 
 
 def start_router(
-    workdir: Path, model: Path, *, run_id: str, context: int, temperature: float, max_tokens_cap: int
+    workdir: Path,
+    model: Path,
+    *,
+    run_id: str,
+    context: int,
+    temperature: float,
+    max_tokens_cap: int,
+    stream_interval: int | None = None,
 ) -> tuple[ServiceProcess, str]:
     """Starts ``molt-router`` on ``model`` (fp32, eager) and waits until it serves; returns it and its address."""
     from molt.core.processes import ServiceProcess, free_port
@@ -46,7 +56,8 @@ def start_router(
         f'[router]\nlisten = "127.0.0.1:{port}"\nmetrics_port = 0\n'
         f'[router.engine]\nmodel_path = "{model}"\ndtype = "float32"\nmax_model_len = {context}\n'
         f"engine_args = {{ enforce_eager = true }}\n"
-        f"[router.sampling]\ntemperature = {temperature}\nmax_tokens_cap = {max_tokens_cap}\n"
+        + (f"stream_interval = {stream_interval}\n" if stream_interval else "")
+        + f"[router.sampling]\ntemperature = {temperature}\nmax_tokens_cap = {max_tokens_cap}\n"
     )
     router = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],
@@ -57,3 +68,63 @@ def start_router(
     )
     router.start(timeout_s=600)
     return router, f"127.0.0.1:{port}"
+
+
+class CpuSampler(threading.Thread):
+    """Every ``every_s``: the wall clock, the machine's busy CPU seconds (``/proc/stat``, all CPUs) and
+    each process's CPU seconds (``/proc/<pid>/stat``) by command name, for the busy share of a window."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.every_s = every_s
+        self.samples: list[tuple[float, float, dict[int, tuple[str, float]]]] = []
+        self.halt = threading.Event()
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.parents: dict[int, int] = {}  # pid -> parent pid, of every process seen
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.samples.append((time.time(), self.busy_s(), self.processes()))
+            self.halt.wait(self.every_s)
+
+    def busy_s(self) -> float:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+        return (sum(ticks) - ticks[3] - ticks[4]) / self.tick
+
+    def processes(self) -> dict[int, tuple[str, float]]:
+        found: dict[int, tuple[str, float]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+            found[int(entry.name)] = (name, (int(rest[11]) + int(rest[12])) / self.tick)  # utime + stime
+            self.parents[int(entry.name)] = int(rest[1])
+        return found
+
+    def owner(self, pid: int, roots: dict[int, str]) -> str:
+        """The label of the first of ``roots`` that ``pid`` descends from (or is), else "other"."""
+        seen = set()
+        while pid not in roots and pid in self.parents and pid not in seen:
+            seen.add(pid)
+            pid = self.parents[pid]
+        return roots.get(pid, "other")
+
+    def window(
+        self, start: float, end: float, roots: dict[int, str] | None = None
+    ) -> tuple[float, list[tuple[str, float]]]:
+        """Busy cores on average over [start, end] (nearest samples inside it) and CPU cores used per command,
+        busiest first; with ``roots`` (pid -> label) per ``label:command`` of the process tree it belongs to."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        (t0, busy0, procs0), (t1, busy1, procs1) = inside[0], inside[-1]
+        per_name: dict[str, float] = {}
+        for pid, (name, cpu) in procs1.items():
+            before = procs0.get(pid, (name, 0.0))[1]
+            key = f"{self.owner(pid, roots)}:{name}" if roots else name
+            per_name[key] = per_name.get(key, 0.0) + cpu - before
+        top = sorted(per_name.items(), key=lambda item: -item[1])
+        return (busy1 - busy0) / (t1 - t0), [(name, cpu / (t1 - t0)) for name, cpu in top]

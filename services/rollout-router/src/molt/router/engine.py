@@ -1,11 +1,14 @@
 """One inference engine: vLLM's AsyncLLM inside a Ray actor, tokens in, tokens + logprobs + version out.
 
-The actor stamps every token it hands out with the policy version of the
-weights that produced it. The version changes only in ``resume`` (after a
-refit, while generation is paused), so tokens sampled before a pause keep the
-old version and tokens sampled after it the new one; a request suspended by a
-``keep`` pause therefore shows both. Logprobs are vLLM's *processed* logprobs
-(after temperature), the quantity the learner recomputes.
+Every token handed out carries the policy version of the weights that sampled it.
+The version is set in the engine core (vLLM's weight-version label) before
+generation resumes after a refit, and the engine core labels each step's output
+with it; a request suspended by a ``keep`` pause therefore shows both versions.
+The labels, not the actor's current version, decide: vLLM holds a request's
+tokens back until ``stream_interval`` of them are ready, so one output can hold
+tokens sampled before a pause and after it; such an output leaves as one chunk
+per version. Logprobs are vLLM's *processed* logprobs (after temperature), the
+quantity the learner recomputes.
 
 Outputs of all requests leave the actor through one long-poll call,
 ``next_outputs``, which returns everything produced since the previous call:
@@ -15,6 +18,7 @@ one Ray round trip per batch instead of one per request and engine step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -120,6 +124,7 @@ class EngineActor:
                 **self.spec.engine_args,
             )
             self.llm = AsyncLLM.from_engine_args(args)
+            await self._label(self.policy_version)
         config = self.llm.model_config
         return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
 
@@ -175,17 +180,46 @@ class EngineActor:
         )
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         finished = False
+        sent = [0] * sampling.sample_count  # tokens handed out so far, per sample
         try:
             async for output in self.llm.generate(prompt, params, request_id):
                 for completion in output.outputs:
                     if completion.token_ids or completion.finish_reason is not None:
-                        yield self._chunk(completion, sampling.top_logprob_count)
+                        versions = self._versions(request_id, completion, sent[completion.index])
+                        sent[completion.index] += len(completion.token_ids)
+                        for chunk in self._chunks(completion, versions, sampling.top_logprob_count):
+                            yield chunk
                 finished = output.finished
         finally:
             if not finished:  # the consumer went away (client disconnect, cancel): free the engine's slot
                 await self.llm.abort(request_id)
 
-    def _chunk(self, completion: Any, top_k: int) -> Chunk:
+    def _versions(self, request_id: str, completion: Any, start: int) -> list[int]:
+        """The policy version of each of ``completion``'s tokens, which are the sample's output tokens
+        ``start, start + 1, ...``, from the engine core's weight-version labels: on the last output the
+        completion carries them; before it they are read from the output processor's state of the
+        request (kept up to date by the same step that produced the tokens)."""
+        if not completion.token_ids:
+            return []
+        spans = completion.weight_versions
+        if spans is not None:
+            starts = [(span.version, span.start) for span in spans]
+        else:
+            processor = self.llm.output_processor
+            states = (processor.request_states.get(i) for i in processor.external_req_ids.get(request_id, ()))
+            state = next((s for s in states if s is not None and s.request_index == completion.index), None)
+            starts = list(state.weight_version_starts) if state is not None else []
+        if not starts:  # cannot happen while every step is labelled; fail loudly rather than guess
+            raise RuntimeError(f"no weight-version label for {request_id} sample {completion.index}")
+        versions, span = [], 0
+        for position in range(start, start + len(completion.token_ids)):
+            while span + 1 < len(starts) and starts[span + 1][1] <= position:
+                span += 1
+            versions.append(int(starts[span][0]))
+        return versions
+
+    def _chunks(self, completion: Any, versions: list[int], top_k: int) -> list[Chunk]:
+        """``completion`` as one chunk per run of tokens sampled under one version (the finish on the last)."""
         token_ids = list(completion.token_ids)
         logprobs: list[float] = []
         top: list[tuple[list[int], list[float]]] = []
@@ -194,16 +228,24 @@ class EngineActor:
             if top_k:
                 ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_k]
                 top.append(([t for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]))
+        bounds = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
+        edges = [0, *bounds, len(token_ids)]
         stop = completion.stop_reason
-        return Chunk(
-            sample_index=completion.index,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            policy_version=self.policy_version,
-            top_logprobs=top,
-            finish_reason=completion.finish_reason,
-            stop_reason="" if stop is None else str(stop),
-        )
+        chunks = []
+        for first, end in itertools.pairwise(edges):
+            last = end == len(token_ids)
+            chunks.append(
+                Chunk(
+                    sample_index=completion.index,
+                    token_ids=token_ids[first:end],
+                    logprobs=logprobs[first:end],
+                    policy_version=versions[first] if versions else self.policy_version,
+                    top_logprobs=top[first:end],
+                    finish_reason=completion.finish_reason if last else None,
+                    stop_reason=("" if stop is None else str(stop)) if last else "",
+                )
+            )
+        return chunks
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -216,8 +258,13 @@ class EngineActor:
         await self.llm.pause_generation(mode=mode, clear_cache=True)
 
     async def resume(self, policy_version: int) -> None:
-        self.policy_version = policy_version
+        await self._label(policy_version)
         await self.llm.resume_generation()
+
+    async def _label(self, policy_version: int) -> None:
+        """From the next engine step on, outputs are labelled ``policy_version`` (set only while paused)."""
+        self.policy_version = policy_version
+        await self.llm.engine_core.set_weight_version_async(str(policy_version))
 
     async def probe(self, token_ids: list[int], policy_version: int) -> list[float]:
         """Teacher-forced logprobs of ``token_ids[1:]`` under the loaded weights (temperature 1, no cut).
@@ -231,7 +278,7 @@ class EngineActor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.policy_version = policy_version
+        await self._label(policy_version)
         await self.llm.resume_generation()
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         final = None
