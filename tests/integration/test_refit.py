@@ -276,11 +276,12 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int
 
 
 def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: dict[str, Any]) -> None:
-    """A keep-mode refit from model A to model B while requests stream. The engine hands out a
-    request's tokens 8 at a time (``stream_interval``), so the tokens sampled just before the pause
-    wait in vLLM and leave in one chunk with tokens sampled after the resume. Ground truth: a token's
-    logprob is model A's when A sampled it and model B's when B did (the two differ by > 0.05 on the
-    probe), so each token's policy version must name the model whose logprob it carries."""
+    """A keep-mode refit from model A to model B while requests run: four streaming, four unary. The
+    engine hands a streamed request's tokens out 8 at a time (``stream_interval``), so the tokens
+    sampled just before the pause wait in vLLM and leave in one output with tokens sampled after the
+    resume; a unary request's tokens leave in one output at the end. Ground truth: a token's logprob
+    is model A's when A sampled it and model B's when B did (the two differ by > 0.05 on the probe),
+    so each token's policy version must name the model whose logprob it carries."""
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     model_a, model_b = load(stack["model_a"]), load(stack["model_b"])
     state_a, probe_a = gather_for_refit(model_a, publisher.probe)
@@ -290,37 +291,44 @@ def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: di
     async def body() -> list[dict[str, list[Any]]]:
         async with grpc.aio.insecure_channel(stack["router"]) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            started = [asyncio.Event() for _ in range(8)]
+            started = [asyncio.Event() for _ in range(4)]
+            params = [common_pb2.SamplingParams(max_tokens=200, seed=400 + i) for i in range(8)]
+            keys = ("token_ids", "logprobs", "policy_versions")
 
-            async def collect(index: int) -> dict[str, list[Any]]:
+            async def streamed(index: int) -> dict[str, list[Any]]:
                 request = rollout_pb2.GenerateStreamRequest(
-                    request_id=f"versions-{index}",
-                    prompt_token_ids=PROMPT,
-                    sampling_params=common_pb2.SamplingParams(max_tokens=200, seed=400 + index),
+                    request_id=f"versions-{index}", prompt_token_ids=PROMPT, sampling_params=params[index]
                 )
-                out: dict[str, list[Any]] = {"token_ids": [], "logprobs": [], "policy_versions": []}
+                out: dict[str, list[Any]] = {key: [] for key in keys}
                 async for chunk in stub.GenerateStream(request, timeout=300):
-                    for key in out:
+                    for key in keys:
                         out[key] += getattr(chunk, key)
                     started[index].set()
                 return out
 
-            tasks = [asyncio.create_task(collect(i)) for i in range(8)]
+            async def unary(index: int) -> dict[str, list[Any]]:
+                request = rollout_pb2.GenerateRequest(
+                    request_id=f"versions-{index}", prompt_token_ids=PROMPT, sampling_params=params[index]
+                )
+                (completion,) = (await stub.Generate(request, timeout=300)).completions
+                return {key: list(getattr(completion, key)) for key in keys}
+
+            tasks = [asyncio.create_task(streamed(i) if i < 4 else unary(i)) for i in range(8)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             await asyncio.to_thread(publisher.publish, 21, state_b, probe_b)  # pauses (keep), loads B, resumes
             return list(await asyncio.gather(*tasks))
 
     results = asyncio.run(body())
     publisher.close()
-    mixed = 0
+    mixed = []
     for result in results:
         versions, tokens = result["policy_versions"], result["token_ids"]
         assert len(versions) == len(tokens) == len(result["logprobs"]) > 0
         assert versions == sorted(versions) and set(versions) <= {20, 21}
-        mixed += len(set(versions)) == 2
+        mixed.append(len(set(versions)) == 2)
         under_a, under_b = teacher_forced(model_a, PROMPT, tokens), teacher_forced(model_b, PROMPT, tokens)
         expected = torch.where(torch.tensor(versions) == 20, under_a, under_b)
         got = torch.tensor(result["logprobs"], dtype=torch.float64)
         wrong = [i for i in range(len(tokens)) if abs(got[i] - expected[i]) > 2e-3]
         assert not wrong, f"tokens at {wrong} carry version(s) {[versions[i] for i in wrong]} of other weights"
-    assert mixed >= 1  # some request straddled the refit
+    assert any(mixed[:4]) and any(mixed[4:])  # streamed and unary requests straddled the refit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -82,7 +83,8 @@ class RouterClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def _request(self, req: GenerationRequest) -> rollout_pb2.GenerateStreamRequest:
+    def _request(self, req: GenerationRequest) -> dict[str, Any]:
+        """The fields a GenerateRequest and a GenerateStreamRequest share."""
         params = common_pb2.SamplingParams(
             max_tokens=req.max_tokens,
             sample_count=req.sample_count,
@@ -92,26 +94,33 @@ class RouterClient:
         for name in ("seed", "temperature", "top_p"):
             if getattr(req, name) is not None:
                 setattr(params, name, getattr(req, name))
-        return rollout_pb2.GenerateStreamRequest(
-            request_id=req.request_id,
-            session_id=req.session_id,
-            prompt_token_ids=req.prompt_ids,
-            sampling_params=params,
-        )
+        return {
+            "request_id": req.request_id,
+            "session_id": req.session_id,
+            "prompt_token_ids": req.prompt_ids,
+            "sampling_params": params,
+        }
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[tuple[int, rollout_pb2.GenerateStreamResponse]]:
         """Yields ``(sample_index, chunk)`` as the router streams them."""
         try:
-            async for chunk in self.stub.GenerateStream(self._request(req), timeout=self.timeout_s):
+            async for chunk in self.stub.GenerateStream(
+                rollout_pb2.GenerateStreamRequest(**self._request(req)), timeout=self.timeout_s
+            ):
                 yield chunk.sample_index, chunk
         except grpc.aio.AioRpcError as exc:
             raise _to_error(exc) from exc
 
     async def generate(self, req: GenerationRequest) -> list[Sample]:
-        """All samples of the request, once finished."""
+        """All samples of the request, once finished: one unary call (the router then carries each
+        sample once, not one message per ``stream_interval`` tokens)."""
+        try:
+            reply = await self.stub.Generate(rollout_pb2.GenerateRequest(**self._request(req)), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _to_error(exc) from exc
         samples = [Sample() for _ in range(max(1, req.sample_count))]
-        async for index, chunk in self.stream(req):
-            samples[index].extend(chunk)
+        for completion in reply.completions:
+            samples[completion.sample_index].extend(completion)
         return samples
 
     async def info(self) -> RouterInfo:

@@ -128,11 +128,13 @@ class EngineActor:
         config = self.llm.model_config
         return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> None:
-        """Starts a request; its chunks come out of ``next_outputs``."""
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool = False
+    ) -> None:
+        """Starts a request; its chunks come out of ``next_outputs`` (with ``final_only``, once it finished)."""
         if request_id in self.tasks:
             raise ValueError(f"request {request_id!r} is already running on {self.spec.engine_id}")
-        self.tasks[request_id] = asyncio.create_task(self._run(request_id, prompt_token_ids, sampling))
+        self.tasks[request_id] = asyncio.create_task(self._run(request_id, prompt_token_ids, sampling, final_only))
 
     async def next_outputs(self) -> list[Output]:
         """Waits for output, then returns everything produced since the last call (oldest first)."""
@@ -145,9 +147,9 @@ class EngineActor:
         self.outbox.append(output)
         self.ready.set()
 
-    async def _run(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> None:
+    async def _run(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool) -> None:
         try:
-            async for chunk in self.generate(request_id, prompt_token_ids, sampling):
+            async for chunk in self.generate(request_id, prompt_token_ids, sampling, final_only):
                 self._emit((request_id, chunk))
         except Exception as exc:  # reported to the router as this request's failure, not swallowed
             log.exception("request failed in the engine", extra={"request_id": request_id})
@@ -155,8 +157,12 @@ class EngineActor:
         finally:
             self.tasks.pop(request_id, None)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> AsyncIterator[Chunk]:
-        """Streams the request's samples as chunks; aborting the request ends the stream."""
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool = False
+    ) -> AsyncIterator[Chunk]:
+        """Streams the request's samples as chunks; aborting the request ends the stream. With
+        ``final_only`` vLLM hands out each sample once, finished (no output per ``stream_interval``
+        tokens to carry through the actor, Ray and the router: what a unary call needs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -174,7 +180,7 @@ class EngineActor:
             include_stop_str_in_output=True,
             seed=sampling.seed,
             logprobs=sampling.top_logprob_count,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
             # Token ids out, so text is needed only to match stop strings: skip the detokenizer otherwise.
             detokenize=bool(sampling.stop_strings),
         )

@@ -150,9 +150,15 @@ class EnginePool:
                     self.queues[request_id].put_nowait(Failure(f"{engine_id} died"))
 
     async def generate(
-        self, request_id: str, session_id: str, prompt_token_ids: list[int], sampling: Sampling
+        self,
+        request_id: str,
+        session_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        final_only: bool = False,
     ) -> AsyncIterator[tuple[str, Chunk]]:
-        """Yields ``(engine_id, chunk)`` for the request; leaving early aborts it in the engine."""
+        """Yields ``(engine_id, chunk)`` for the request (with ``final_only``, each sample's chunks only
+        once it finished); leaving early aborts it in the engine."""
         if request_id in self.in_flight:
             raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
         await self._admit()
@@ -166,7 +172,7 @@ class EnginePool:
         metrics.REQUESTS_IN_FLIGHT.inc()
         started, outcome, finished = time.monotonic(), "aborted", 0
         try:
-            await actor.submit.remote(request_id, prompt_token_ids, sampling)
+            await actor.submit.remote(request_id, prompt_token_ids, sampling, final_only)
             while finished < sampling.sample_count:
                 item = await queue.get()
                 if isinstance(item, Failure):

@@ -71,7 +71,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         sampling = self._checked(request.request_id, prompt, request.sampling_params)
         completions = [rollout_pb2.Completion(sample_index=i) for i in range(sampling.sample_count)]
         engine = ""
-        async for engine_id, chunk in self.pool.generate(request.request_id, request.session_id, prompt, sampling):
+        chunks = self.pool.generate(request.request_id, request.session_id, prompt, sampling, final_only=True)
+        async for engine_id, chunk in chunks:
             engine = engine_id
             completion = completions[chunk.sample_index]
             completion.token_ids.extend(chunk.token_ids)
