@@ -331,4 +331,4 @@ def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: di
         got = torch.tensor(result["logprobs"], dtype=torch.float64)
         wrong = [i for i in range(len(tokens)) if abs(got[i] - expected[i]) > 2e-3]
         assert not wrong, f"tokens at {wrong} carry version(s) {[versions[i] for i in wrong]} of other weights"
-    assert any(mixed[:4]) and any(mixed[4:])  # streamed and unary requests straddled the refit
+    assert any(mixed[:4]) and any(mixed[4:]), f"no streamed or no unary request straddled the refit: {mixed}"
