@@ -37,7 +37,22 @@ PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
 
 @pytest.fixture(scope="module")
 def stack(ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    workdir = tmp_path_factory.mktemp("refit")
+    yield from running_stack(ray_head, tiny_model, tmp_path_factory.mktemp("refit"), RUN_ID)
+
+
+@pytest.fixture(scope="module")
+def stack_keeping_kv(
+    ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The same stack with ``[router.pause] kv_cache = "keep"``."""
+    yield from running_stack(
+        ray_head, tiny_model, tmp_path_factory.mktemp("refit-kv"), f"{RUN_ID}-kv", '[router.pause]\nkv_cache = "keep"\n'
+    )
+
+
+def running_stack(
+    ray_head: str, tiny_model: Path, workdir: Path, run_id: str, extra_recipe: str = ""
+) -> Iterator[dict[str, Any]]:
     model_b = build(workdir / "model-b", seed=1)
     redis_server = RedisServer(workdir / "redis")
     redis_server.start()
@@ -45,7 +60,7 @@ def stack(ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFact
     recipe = workdir / "recipe.toml"
     recipe.write_text(f"""
 [run]
-run_id = "{RUN_ID}"
+run_id = "{run_id}"
 run_dir = "{workdir / "run"}"
 redis_url = "{redis_server.url}"
 
@@ -67,7 +82,7 @@ router_address = "127.0.0.1:{router_port}"
 ray_address = "{ray_head}"
 probe_tolerance = 1e-3
 refit_timeout_s = 300
-""")
+{extra_recipe}""")
     router = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],
         f"127.0.0.1:{router_port}",
@@ -89,7 +104,7 @@ refit_timeout_s = 300
         broadcaster_address=f"127.0.0.1:{broadcaster_port}",
         refit_every=1,
         refit_bucket_bytes=64 * 1024,
-        run=RunSettings(run_id=RUN_ID, redis_url=redis_server.url),
+        run=RunSettings(run_id=run_id, redis_url=redis_server.url),
     )
     yield {
         "router": f"127.0.0.1:{router_port}",
@@ -108,14 +123,14 @@ def load(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-async def sample(address: str, seed: int) -> Any:
+async def sample(address: str, seed: int, prompt: list[int] = PROMPT, max_tokens: int = 16) -> Any:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         reply = await stub.Generate(
             rollout_pb2.GenerateRequest(
                 request_id=f"probe-{seed}-{time.monotonic_ns()}",
-                prompt_token_ids=PROMPT,
-                sampling_params=common_pb2.SamplingParams(max_tokens=16, seed=seed),
+                prompt_token_ids=prompt,
+                sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, seed=seed),
             ),
             timeout=120,
         )
@@ -275,38 +290,38 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: dict[str, Any]) -> None:
-    """A keep-mode refit from model A to model B while requests run: four streaming, four unary. The
-    engine hands a streamed request's tokens out 8 at a time (``stream_interval``), so the tokens
-    sampled just before the pause wait in vLLM and leave in one output with tokens sampled after the
-    resume; a unary request's tokens leave in one output at the end. Ground truth: a token's logprob
-    is model A's when A sampled it and model B's when B did (the two differ by > 0.05 on the probe),
-    so each token's policy version must name the model whose logprob it carries."""
+Run = dict[str, list[Any]]
+
+
+def straddle_a_refit(stack: dict[str, Any]) -> tuple[list[Run], torch.nn.Module, torch.nn.Module]:
+    """Serves model A at version 20, starts four streaming and four unary requests of up to 200 tokens,
+    and once every stream has its first chunk pauses the router (keep) and refits to model B at
+    version 21. Returns each request's tokens, logprobs and versions, and the two models."""
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     model_a, model_b = load(stack["model_a"]), load(stack["model_b"])
     state_a, probe_a = gather_for_refit(model_a, publisher.probe)
     state_b, probe_b = gather_for_refit(model_b, publisher.probe)
-    publisher.publish(20, state_a, probe_a)  # serving A at version 20
+    publisher.publish(20, state_a, probe_a)
 
-    async def body() -> list[dict[str, list[Any]]]:
+    async def body() -> list[Run]:
         async with grpc.aio.insecure_channel(stack["router"]) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             started = [asyncio.Event() for _ in range(4)]
             params = [common_pb2.SamplingParams(max_tokens=200, seed=400 + i) for i in range(8)]
             keys = ("token_ids", "logprobs", "policy_versions")
 
-            async def streamed(index: int) -> dict[str, list[Any]]:
+            async def streamed(index: int) -> Run:
                 request = rollout_pb2.GenerateStreamRequest(
                     request_id=f"versions-{index}", prompt_token_ids=PROMPT, sampling_params=params[index]
                 )
-                out: dict[str, list[Any]] = {key: [] for key in keys}
+                out: Run = {key: [] for key in keys}
                 async for chunk in stub.GenerateStream(request, timeout=300):
                     for key in keys:
                         out[key] += getattr(chunk, key)
                     started[index].set()
                 return out
 
-            async def unary(index: int) -> dict[str, list[Any]]:
+            async def unary(index: int) -> Run:
                 request = rollout_pb2.GenerateRequest(
                     request_id=f"versions-{index}", prompt_token_ids=PROMPT, sampling_params=params[index]
                 )
@@ -315,20 +330,70 @@ def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: di
 
             tasks = [asyncio.create_task(streamed(i) if i < 4 else unary(i)) for i in range(8)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            # Freeze the requests now: on an idle machine they can finish (1,600 tokens in all) in the
+            # half second the refit takes to reach its own pause, which then finds the router paused.
+            await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
             await asyncio.to_thread(publisher.publish, 21, state_b, probe_b)  # pauses (keep), loads B, resumes
             return list(await asyncio.gather(*tasks))
 
-    results = asyncio.run(body())
-    publisher.close()
+    try:
+        return asyncio.run(body()), model_a, model_b
+    finally:
+        publisher.close()
+
+
+def boundary(run: Run) -> int:
+    """Index of the first token of version 21 (the whole length if none); checks the versions' shape."""
+    versions = run["policy_versions"]
+    assert len(versions) == len(run["token_ids"]) == len(run["logprobs"]) > 0
+    assert versions == sorted(versions) and set(versions) <= {20, 21}
+    return versions.index(21) if 21 in versions else len(versions)
+
+
+def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: dict[str, Any]) -> None:
+    """With the default ``kv_cache = "recompute"``. The engine hands a streamed request's tokens out 8 at
+    a time (``stream_interval``), so the tokens sampled just before the pause wait in vLLM and leave
+    in one output with tokens sampled after the resume; a unary request's tokens leave in one output
+    at the end. Ground truth: a token's logprob is model A's when A sampled it and model B's when B
+    did (the two differ by > 0.05 on the probe), so each token's policy version must name the model
+    whose logprob it carries."""
+    runs, model_a, model_b = straddle_a_refit(stack)
     mixed = []
-    for result in results:
-        versions, tokens = result["policy_versions"], result["token_ids"]
-        assert len(versions) == len(tokens) == len(result["logprobs"]) > 0
-        assert versions == sorted(versions) and set(versions) <= {20, 21}
-        mixed.append(len(set(versions)) == 2)
+    for run in runs:
+        tokens, versions = run["token_ids"], run["policy_versions"]
+        mixed.append(0 < boundary(run) < len(tokens))
         under_a, under_b = teacher_forced(model_a, PROMPT, tokens), teacher_forced(model_b, PROMPT, tokens)
         expected = torch.where(torch.tensor(versions) == 20, under_a, under_b)
-        got = torch.tensor(result["logprobs"], dtype=torch.float64)
+        got = torch.tensor(run["logprobs"], dtype=torch.float64)
         wrong = [i for i in range(len(tokens)) if abs(got[i] - expected[i]) > 2e-3]
         assert not wrong, f"tokens at {wrong} carry version(s) {[versions[i] for i in wrong]} of other weights"
     assert any(mixed[:4]) and any(mixed[4:]), f"no streamed or no unary request straddled the refit: {mixed}"
+
+
+def test_a_refit_keeping_the_kv_cache(stack_keeping_kv: dict[str, Any]) -> None:
+    """``kv_cache = "keep"``: the tokens before the refit are model A's and carry its version; after it
+    B samples over the prefix A encoded, so a straddling request's first tokens of version 21 are not
+    what B computes over the whole sequence (if they were, the cache was recomputed and the setting did
+    nothing); a request arriving after the refit with the same prompt is B's exactly (prefix caching is
+    off: it cannot reuse blocks A wrote)."""
+    runs, model_a, model_b = straddle_a_refit(stack_keeping_kv)
+    stale = []
+    for run in runs:
+        tokens, cut = run["token_ids"], boundary(run)
+        got = torch.tensor(run["logprobs"], dtype=torch.float64)
+        assert torch.allclose(got[:cut], teacher_forced(model_a, PROMPT, tokens)[:cut], atol=2e-3)
+        if 0 < cut < len(tokens):
+            after = (got[cut:] - teacher_forced(model_b, PROMPT, tokens)[cut:]).abs()
+            stale.append(float(after[:4].max()))
+    assert stale and max(stale) > 1e-2, f"every straddling request matched a full recompute under B: {stale}"
+
+    # A new request whose prompt is a straddling request's whole sequence: with prefix caching on it
+    # would reuse that request's cached blocks (full ones: the prompt is longer than a block), which
+    # hold KV that A wrote.
+    longest = max(runs, key=lambda run: len(run["token_ids"]))["token_ids"]
+    prompt = PROMPT + longest[:-1]
+    assert len(prompt) > 128, "no request ran long enough to fill a KV block (128 tokens on CPU)"
+    completion = asyncio.run(sample(stack_keeping_kv["router"], seed=77, prompt=prompt, max_tokens=8))
+    assert set(completion.policy_versions) == {21}
+    expected = teacher_forced(model_b, prompt, list(completion.token_ids))
+    assert torch.allclose(torch.tensor(list(completion.logprobs), dtype=torch.float64), expected, atol=2e-3)

@@ -62,6 +62,19 @@ class PauseSettings(BaseModel):
     paused_wait_timeout_s: float = Field(
         600.0, gt=0, description="How long a request arriving while paused waits for the resume before failing."
     )
+    kv_cache: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description=(
+            "What a keep-mode pause does with the KV cache of the requests it suspends. 'recompute': it is "
+            "cleared and each suspended request re-encodes its prompt and tokens so far under the new weights "
+            "(exact: every token after the resume is sampled by the new weights alone). 'keep': in-flight "
+            "weight update (as in PipelineRL): suspended requests continue over the prefix the old weights "
+            "encoded, so nothing is recomputed (a long response spans many refits), and the tokens sampled after "
+            "the resume carry the new version although their context was encoded by the old weights; the "
+            "learner's importance sampling uses the logprobs actually sampled. Prefix caching is then off, so "
+            "no new request reuses blocks the old weights wrote."
+        ),
+    )
 
 
 class RouterSettings(ServiceSettings):

@@ -256,16 +256,17 @@ class EngineActor:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
-    async def pause(self, mode: Literal["wait", "keep"]) -> None:
+    async def pause(self, mode: Literal["wait", "keep"], clear_cache: bool = True) -> None:
         """Stops scheduling; ``keep`` suspends in-flight requests, ``wait`` lets them finish first.
 
-        The KV cache is cleared, so suspended requests recompute their prefix under the new weights.
+        With ``clear_cache`` the KV cache is cleared, so suspended requests recompute their prefix under
+        the new weights; without it they continue over the old weights' KV (``[router.pause] kv_cache``).
         Calls the engine core directly: vLLM's ``pause_generation`` adds a multimodal cache reset (no
         such inputs here) and a 20 ms sleep so that outputs already on their way are handed out
         before it returns, which nothing here needs (tokens get their version from the engine's
         labels, not from when they arrive); that sleep was a third of a refit's pause on 2 cores.
         """
-        await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
+        await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
     async def resume(self, policy_version: int) -> None:
         await self._label(policy_version)

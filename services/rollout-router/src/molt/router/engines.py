@@ -68,6 +68,11 @@ class EnginePool:
                 f"router.engine.engine_args may not set {reserved}: molt sets them itself or they have "
                 "their own [router.engine] setting"
             )
+        if self.settings.pause.kv_cache == "keep" and engine.engine_args.get("enable_prefix_caching"):
+            raise ConfigError(
+                'router.pause.kv_cache = "keep" needs prefix caching off (new requests would reuse blocks the old '
+                "weights wrote); remove router.engine.engine_args.enable_prefix_caching"
+            )
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         for index in range(engine.engine_count):
             engine_id = f"engine-{index}"
@@ -97,7 +102,9 @@ class EnginePool:
         # tensor-parallel worker; with tp > 1 vLLM's Ray executor places its workers in this group.
         bundles = [{"CPU": 1.0, "GPU": 1.0}] + [{"GPU": 1.0}] * (tp - 1) if use_gpu else [{"CPU": 1.0}]
         group = placement_group(bundles, strategy="PACK")
-        extra = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
+        extra: dict[str, Any] = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
+        if self.settings.pause.kv_cache == "keep":
+            extra["enable_prefix_caching"] = False
         spec = EngineSpec(
             engine_id=engine_id,
             model_path=engine.model_path,
@@ -242,10 +249,19 @@ class EnginePool:
                 ) from exc
         suspended = len(self.in_flight)
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
-        await asyncio.gather(*(actor.pause.remote(engine_mode) for actor in self.actors.values()))
+        clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
+        await asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self.actors.values()))
         self.paused = True
         metrics.PAUSED.set(1)
-        log.info("paused", extra={"mode": mode, "suspended": suspended, "policy_version": self.policy_version})
+        log.info(
+            "paused",
+            extra={
+                "mode": mode,
+                "suspended": suspended,
+                "kv_cache": "cleared" if clear_cache else "kept",
+                "policy_version": self.policy_version,
+            },
+        )
         return suspended
 
     async def resume(self, policy_version: int | None) -> int:
