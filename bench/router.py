@@ -75,6 +75,16 @@ def direct_engine(model: Path, stream_interval: int) -> Any:
 
 
 Round = Callable[[str], Awaitable[list[tuple[float, int]]]]
+Request = Callable[[int, list[int], str], Awaitable[tuple[float, int]]]  # (index, prompt, tag) -> (s, tokens)
+
+
+def concurrently(one: Request, work: list[list[int]]) -> Round:
+    """A round: every prompt of ``work`` sent at once through ``one``, tagged with the round's tag."""
+
+    async def round_(tag: str) -> list[tuple[float, int]]:
+        return list(await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(work))))
+
+    return round_
 
 
 def direct_round(llm: Any, work: list[list[int]], max_tokens: int) -> Round:
@@ -91,10 +101,7 @@ def direct_round(llm: Any, work: list[list[int]], max_tokens: int) -> Round:
             count += len(out.outputs[0].token_ids)
         return time.perf_counter() - started, count
 
-    async def round_(tag: str) -> list[tuple[float, int]]:
-        return list(await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(work))))
-
-    return round_
+    return concurrently(one, work)
 
 
 def router_round(stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]], max_tokens: int) -> Round:
@@ -109,10 +116,7 @@ def router_round(stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]
             count += len(chunk.token_ids)
         return time.perf_counter() - started, count
 
-    async def round_(tag: str) -> list[tuple[float, int]]:
-        return list(await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(work))))
-
-    return round_
+    return concurrently(one, work)
 
 
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
