@@ -86,6 +86,7 @@ class CpuSampler(threading.Thread):
         while not self.halt.is_set():
             self.samples.append((time.time(), self.busy_s(), self.processes()))
             self.halt.wait(self.every_s)
+        self.samples.append((time.time(), self.busy_s(), self.processes()))  # closes a window ending at the halt
 
     def busy_s(self) -> float:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
@@ -117,9 +118,12 @@ class CpuSampler(threading.Thread):
     def window(
         self, start: float, end: float, roots: dict[int, str] | None = None
     ) -> tuple[float, list[tuple[str, float]]]:
-        """Busy cores on average over [start, end] (nearest samples inside it) and CPU cores used per command,
-        busiest first; with ``roots`` (pid -> label) per ``label:command`` of the process tree it belongs to."""
+        """Busy cores on average over [start, end] (nearest samples inside it, or around it when fewer than
+        two fall inside) and CPU cores used per command, busiest first; with ``roots`` (pid -> label) per
+        ``label:command`` of the process tree it belongs to."""
         inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:  # a window shorter than the sampling interval: the samples around it
+            inside = [s for s in self.samples if s[0] <= start][-1:] + [s for s in self.samples if s[0] >= end][:1]
         (t0, busy0, procs0), (t1, busy1, procs1) = inside[0], inside[-1]
         per_name: dict[str, float] = {}
         for pid, (name, cpu) in procs1.items():
