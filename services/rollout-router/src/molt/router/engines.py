@@ -74,6 +74,12 @@ class EnginePool:
                 "weights wrote); remove router.engine.engine_args.enable_prefix_caching"
             )
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        if not use_gpu and engine.engine_args.get("enable_chunked_prefill"):
+            raise ConfigError(
+                "router.engine.engine_args.enable_chunked_prefill is not safe on CPU engines: vLLM rewinds a seeded "
+                "request's random generator after a partial prefill, which CPU generators cannot do, and the "
+                "engine dies; remove it"
+            )
         for index in range(engine.engine_count):
             engine_id = f"engine-{index}"
             self.actors[engine_id] = self._actor(engine_id, use_gpu)
@@ -105,6 +111,11 @@ class EnginePool:
         extra: dict[str, Any] = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
         if self.settings.pause.kv_cache == "keep":
             extra["enable_prefix_caching"] = False
+        if not use_gpu:
+            # vLLM rewinds a seeded request's generator (set_offset) when a step only prefilled part of it,
+            # which a CPU generator refuses: the engine died once seeded prompts overran a step's token
+            # budget (concurrent long prompts; requests re-prefilling after a pause). Whole prefills only.
+            extra["enable_chunked_prefill"] = False
         spec = EngineSpec(
             engine_id=engine_id,
             model_path=engine.model_path,
