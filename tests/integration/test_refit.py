@@ -293,15 +293,17 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], response: list[int
 
 
 Run = dict[str, list[Any]]
+# The eight seeds of 400-495 whose samples under model A (the tiny model, seed 0) at max_tokens 800 are
+# the longest: 800, 622, 597, 594, 580, 476, 406 and 393 tokens (most seeds end within a few hundred).
+LONG_SEEDS = (401, 465, 472, 418, 489, 422, 453, 454)
 
 
 @dataclass
 class Straddle:
-    """Eight requests that ran across a refit from model A (``version_a``) to model B (``version_b``)."""
+    """Requests that ran across a refit from model A (``version_a``) to model B (``version_b``)."""
 
-    runs: list[Run]  # four streamed, then four unary
-    model_a: torch.nn.Module
-    model_b: torch.nn.Module
+    runs: list[Run]
+    streamed: list[bool]  # per run: GenerateStream (True) or unary Generate
     version_a: int
     version_b: int
 
@@ -312,82 +314,80 @@ class Straddle:
         assert versions == sorted(versions) and set(versions) <= {self.version_a, self.version_b}
         return versions.index(self.version_b) if self.version_b in versions else len(versions)
 
-    def straddled(self) -> list[bool]:
-        return [0 < self.boundary(run) < len(run["token_ids"]) for run in self.runs]
+    def straddling(self) -> list[int]:
+        """Indices of the runs with tokens of both versions."""
+        return [i for i, run in enumerate(self.runs) if 0 < self.boundary(run) < len(run["token_ids"])]
 
 
-def straddle_a_refit(stack: dict[str, Any], attempts: int = 4) -> Straddle:
-    """Serves model A, starts four streaming and four unary requests, and as soon as a stream has its
-    first chunk pauses the router (keep) and refits to model B. Returns the attempt in which at least
-    one streamed and one unary request straddled the refit (tokens of both versions).
+def straddle_refits(stack: dict[str, Any], max_attempts: int = 4) -> tuple[list[Straddle], Any, Any]:
+    """Refits from model A to model B while four streamed and four unary requests run, until a streamed
+    and a unary request have straddled a refit (tokens of both versions); returns every attempt and
+    the two models, so that callers check the tokens of all of them.
 
-    Whether a request straddles depends on how far the engine got before the pause reached it, which
-    is timing: the random tiny model often samples EOS within a few tokens (seeds 400-407 gave 8 to
-    300 tokens), and on 2 cores Ray's messages between router and engine actor now and then stall
-    for 1-3 s (seen: an engine reply sent at 17 ms reached the router at 1.7 s, the other requests'
-    submissions with it), so the first chunk can come after every request ended. So the requests use
-    the seeds whose samples under A are the longest (a seeded sample is the same every time), and an
-    attempt in which none straddled is repeated under new versions; the caller checks the tokens of
-    the attempt that straddled."""
+    Each attempt serves A under a new version, submits the eight requests (streamed and unary in
+    turn), pauses the router (keep) once every stream has its first chunk, and refits to B. Whether a
+    request straddles is timing: the random tiny model often samples EOS within a few tokens (seeds
+    400-407 gave 8 to 300 tokens), so the requests use ``LONG_SEEDS`` (seeded samples are the same
+    every run); and on 2 cores Ray's messages between router and engine actor now and then stall for
+    seconds (an engine reply sent at 17 ms reached the router at 1.7 s; requests
+    submitted together reached the engine in bunches seconds apart, the first ones finishing before
+    the last had started). Waiting for every stream's first chunk makes the last stream to start
+    straddle; a unary request straddles when it arrived with a late bunch."""
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     model_a, model_b = load(stack["model_a"]), load(stack["model_b"])
     state_a, probe_a = gather_for_refit(model_a, publisher.probe)
     state_b, probe_b = gather_for_refit(model_b, publisher.probe)
     keys = ("token_ids", "logprobs", "policy_versions")
+    streamed = [i % 2 == 0 for i in range(8)]
 
-    async def longest_seeds(count: int) -> list[int]:
-        pool = range(400, 496)
-        replies = await asyncio.gather(*(sample(stack["router"], seed, max_tokens=800) for seed in pool))
-        return sorted(pool, key=lambda seed: -len(replies[seed - 400].token_ids))[:count]
-
-    async def body(seeds: list[int], version_b: int) -> list[Run]:
+    async def body(seeds: tuple[int, ...], version_b: int) -> list[Run]:
         async with grpc.aio.insecure_channel(stack["router"]) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            started = asyncio.Event()
-            params = [common_pb2.SamplingParams(max_tokens=800, seed=seed) for seed in seeds]
+            started = [asyncio.Event() for _ in seeds]
 
-            async def streamed(index: int) -> Run:
-                request = rollout_pb2.GenerateStreamRequest(
-                    request_id=f"versions-{version_b}-{index}", prompt_token_ids=PROMPT, sampling_params=params[index]
-                )
+            async def run(index: int) -> Run:
+                request_id, params = f"versions-{version_b}-{index}", common_pb2.SamplingParams(max_tokens=800)
+                params.seed = seeds[index]
+                if not streamed[index]:
+                    generate = rollout_pb2.GenerateRequest(
+                        request_id=request_id, prompt_token_ids=PROMPT, sampling_params=params
+                    )
+                    (completion,) = (await stub.Generate(generate, timeout=300)).completions
+                    return {key: list(getattr(completion, key)) for key in keys}
                 out: Run = {key: [] for key in keys}
-                async for chunk in stub.GenerateStream(request, timeout=300):
+                stream = rollout_pb2.GenerateStreamRequest(
+                    request_id=request_id, prompt_token_ids=PROMPT, sampling_params=params
+                )
+                async for chunk in stub.GenerateStream(stream, timeout=300):
                     for key in keys:
                         out[key] += getattr(chunk, key)
-                    started.set()
+                    started[index].set()
                 return out
 
-            async def unary(index: int) -> Run:
-                request = rollout_pb2.GenerateRequest(
-                    request_id=f"versions-{version_b}-{index}", prompt_token_ids=PROMPT, sampling_params=params[index]
-                )
-                (completion,) = (await stub.Generate(request, timeout=300)).completions
-                return {key: list(getattr(completion, key)) for key in keys}
-
-            tasks = [asyncio.create_task(streamed(i) if i < 4 else unary(i)) for i in range(8)]
-            await asyncio.wait_for(started.wait(), 120)
-            # Freeze the requests at once (the refit's own pause comes later and finds the router paused).
+            tasks = [asyncio.create_task(run(i)) for i in range(len(seeds))]
+            streams = [started[i].wait() for i in range(len(seeds)) if streamed[i]]
+            await asyncio.wait_for(asyncio.gather(*streams), 120)
+            # Freeze the requests (the refit's own pause comes later and finds the router paused).
             await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
             await asyncio.to_thread(publisher.publish, version_b, state_b, probe_b)  # pauses, loads B, resumes
             return list(await asyncio.gather(*tasks))
 
+    attempts: list[Straddle] = []
     try:
         publisher.publish(20, state_a, probe_a)
-        ranked = asyncio.run(longest_seeds(8))
-        seeds = ranked[0::2] + ranked[1::2]  # streamed and unary each get long samples
-        for attempt in range(attempts):
+        for attempt in range(max_attempts):
             version_a = 20 + 2 * attempt
             if attempt:
                 publisher.publish(version_a, state_a, probe_a)
-            runs = asyncio.run(body(seeds, version_a + 1))
-            result = Straddle(runs, model_a, model_b, version_a, version_a + 1)
-            mixed = result.straddled()
-            if any(mixed[:4]) and any(mixed[4:]):
-                return result
-            logging.getLogger(__name__).warning(f"attempt {attempt}: no streamed or no unary one straddled: {mixed}")
+            runs = asyncio.run(body(LONG_SEEDS, version_a + 1))
+            attempts.append(Straddle(runs, streamed, version_a, version_a + 1))
+            kinds = {straddle.streamed[i] for straddle in attempts for i in straddle.straddling()}
+            if kinds == {True, False}:
+                return attempts, model_a, model_b
+            logging.getLogger(__name__).warning(f"attempt {attempt}: straddling request kinds so far {kinds}")
     finally:
         publisher.close()
-    raise AssertionError(f"no streamed or no unary request straddled the refit in {attempts} attempts")
+    raise AssertionError(f"no streamed or no unary request straddled a refit in {max_attempts} attempts")
 
 
 def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: dict[str, Any]) -> None:
@@ -397,16 +397,16 @@ def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: di
     at the end. Ground truth: a token's logprob is model A's when A sampled it and model B's when B
     did (the two differ by > 0.05 on the probe), so each token's policy version must name the model
     whose logprob it carries."""
-    straddle = straddle_a_refit(stack)
-    for run in straddle.runs:
-        tokens, versions = run["token_ids"], run["policy_versions"]
-        straddle.boundary(run)
-        under_a = teacher_forced(straddle.model_a, PROMPT, tokens)
-        under_b = teacher_forced(straddle.model_b, PROMPT, tokens)
-        expected = torch.where(torch.tensor(versions) == straddle.version_a, under_a, under_b)
-        got = torch.tensor(run["logprobs"], dtype=torch.float64)
-        wrong = [i for i in range(len(tokens)) if abs(got[i] - expected[i]) > 2e-3]
-        assert not wrong, f"tokens at {wrong} carry version(s) {[versions[i] for i in wrong]} of other weights"
+    attempts, model_a, model_b = straddle_refits(stack)
+    for straddle in attempts:
+        for run in straddle.runs:
+            tokens, versions = run["token_ids"], run["policy_versions"]
+            straddle.boundary(run)
+            under_a, under_b = teacher_forced(model_a, PROMPT, tokens), teacher_forced(model_b, PROMPT, tokens)
+            expected = torch.where(torch.tensor(versions) == straddle.version_a, under_a, under_b)
+            got = torch.tensor(run["logprobs"], dtype=torch.float64)
+            wrong = [i for i in range(len(tokens)) if abs(got[i] - expected[i]) > 2e-3]
+            assert not wrong, f"tokens at {wrong} carry version(s) {[versions[i] for i in wrong]} of other weights"
 
 
 def test_a_refit_keeping_the_kv_cache(stack_keeping_kv: dict[str, Any]) -> None:
@@ -415,24 +415,26 @@ def test_a_refit_keeping_the_kv_cache(stack_keeping_kv: dict[str, Any]) -> None:
     what B computes over the whole sequence (if they were, the cache was recomputed and the setting did
     nothing); a request arriving after the refit with the same prompt is B's exactly (prefix caching is
     off: it cannot reuse blocks A wrote)."""
-    straddle = straddle_a_refit(stack_keeping_kv)
+    attempts, model_a, model_b = straddle_refits(stack_keeping_kv)
     stale = []
-    for run in straddle.runs:
-        tokens, cut = run["token_ids"], straddle.boundary(run)
-        got = torch.tensor(run["logprobs"], dtype=torch.float64)
-        assert torch.allclose(got[:cut], teacher_forced(straddle.model_a, PROMPT, tokens)[:cut], atol=2e-3)
-        if 0 < cut < len(tokens):
-            after = (got[cut:] - teacher_forced(straddle.model_b, PROMPT, tokens)[cut:]).abs()
-            stale.append(float(after[:4].max()))
+    for straddle in attempts:
+        for run in straddle.runs:
+            tokens, cut = run["token_ids"], straddle.boundary(run)
+            got = torch.tensor(run["logprobs"], dtype=torch.float64)
+            assert torch.allclose(got[:cut], teacher_forced(model_a, PROMPT, tokens)[:cut], atol=2e-3)
+            if 0 < cut < len(tokens):
+                after = (got[cut:] - teacher_forced(model_b, PROMPT, tokens)[cut:]).abs()
+                stale.append(float(after[:4].max()))
     assert stale and max(stale) > 1e-2, f"every straddling request matched a full recompute under B: {stale}"
 
     # A new request whose prompt is a straddling request's whole sequence: with prefix caching on it
     # would reuse that request's cached blocks (full ones: the prompt is longer than a block), which
     # hold KV that A wrote.
-    longest = max(straddle.runs, key=lambda run: len(run["token_ids"]))["token_ids"]
+    last = attempts[-1]
+    longest = max((run["token_ids"] for straddle in attempts for run in straddle.runs), key=len)
     prompt = PROMPT + longest[:-1]
     assert len(prompt) > 128, "no request ran long enough to fill a KV block (128 tokens on CPU)"
     completion = asyncio.run(sample(stack_keeping_kv["router"], seed=77, prompt=prompt, max_tokens=8))
-    assert set(completion.policy_versions) == {straddle.version_b}
-    expected = teacher_forced(straddle.model_b, prompt, list(completion.token_ids))
+    assert set(completion.policy_versions) == {last.version_b}
+    expected = teacher_forced(model_b, prompt, list(completion.token_ids))
     assert torch.allclose(torch.tensor(list(completion.logprobs), dtype=torch.float64), expected, atol=2e-3)
