@@ -296,14 +296,14 @@ Run = dict[str, list[Any]]
 # The eight seeds of 400-495 whose samples under model A (the tiny model, seed 0) at max_tokens 800 are
 # the longest: 800, 622, 597, 594, 580, 476, 406 and 393 tokens (most seeds end within a few hundred).
 LONG_SEEDS = (401, 465, 472, 418, 489, 422, 453, 454)
+STREAMED = tuple(i % 2 == 0 for i in range(len(LONG_SEEDS)))  # per request: GenerateStream, else unary Generate
 
 
 @dataclass
 class Straddle:
     """Requests that ran across a refit from model A (``version_a``) to model B (``version_b``)."""
 
-    runs: list[Run]
-    streamed: list[bool]  # per run: GenerateStream (True) or unary Generate
+    runs: list[Run]  # one per seed of LONG_SEEDS
     version_a: int
     version_b: int
 
@@ -338,17 +338,16 @@ def straddle_refits(stack: dict[str, Any], max_attempts: int = 4) -> tuple[list[
     state_a, probe_a = gather_for_refit(model_a, publisher.probe)
     state_b, probe_b = gather_for_refit(model_b, publisher.probe)
     keys = ("token_ids", "logprobs", "policy_versions")
-    streamed = [i % 2 == 0 for i in range(8)]
 
-    async def body(seeds: tuple[int, ...], version_b: int) -> list[Run]:
+    async def body(version_b: int) -> list[Run]:
         async with grpc.aio.insecure_channel(stack["router"]) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            started = [asyncio.Event() for _ in seeds]
+            started = [asyncio.Event() for _ in LONG_SEEDS]
 
             async def run(index: int) -> Run:
                 request_id, params = f"versions-{version_b}-{index}", common_pb2.SamplingParams(max_tokens=800)
-                params.seed = seeds[index]
-                if not streamed[index]:
+                params.seed = LONG_SEEDS[index]
+                if not STREAMED[index]:
                     generate = rollout_pb2.GenerateRequest(
                         request_id=request_id, prompt_token_ids=PROMPT, sampling_params=params
                     )
@@ -364,8 +363,8 @@ def straddle_refits(stack: dict[str, Any], max_attempts: int = 4) -> tuple[list[
                     started[index].set()
                 return out
 
-            tasks = [asyncio.create_task(run(i)) for i in range(len(seeds))]
-            streams = [started[i].wait() for i in range(len(seeds)) if streamed[i]]
+            tasks = [asyncio.create_task(run(i)) for i in range(len(LONG_SEEDS))]
+            streams = [event.wait() for event, is_stream in zip(started, STREAMED, strict=True) if is_stream]
             await asyncio.wait_for(asyncio.gather(*streams), 120)
             # Freeze the requests (the refit's own pause comes later and finds the router paused).
             await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
@@ -379,9 +378,8 @@ def straddle_refits(stack: dict[str, Any], max_attempts: int = 4) -> tuple[list[
             version_a = 20 + 2 * attempt
             if attempt:
                 publisher.publish(version_a, state_a, probe_a)
-            runs = asyncio.run(body(LONG_SEEDS, version_a + 1))
-            attempts.append(Straddle(runs, streamed, version_a, version_a + 1))
-            kinds = {straddle.streamed[i] for straddle in attempts for i in straddle.straddling()}
+            attempts.append(Straddle(asyncio.run(body(version_a + 1)), version_a, version_a + 1))
+            kinds = {STREAMED[i] for straddle in attempts for i in straddle.straddling()}
             if kinds == {True, False}:
                 return attempts, model_a, model_b
             logging.getLogger(__name__).warning(f"attempt {attempt}: straddling request kinds so far {kinds}")
@@ -427,11 +425,12 @@ def test_a_refit_keeping_the_kv_cache(stack_keeping_kv: dict[str, Any]) -> None:
                 stale.append(float(after[:4].max()))
     assert stale and max(stale) > 1e-2, f"every straddling request matched a full recompute under B: {stale}"
 
-    # A new request whose prompt is a straddling request's whole sequence: with prefix caching on it
-    # would reuse that request's cached blocks (full ones: the prompt is longer than a block), which
-    # hold KV that A wrote.
+    # A new request whose prompt is the whole sequence of a request A sampled from (up to the refit or to
+    # its end): with prefix caching on it would reuse that request's cached blocks (full ones: the prompt
+    # is longer than a block), which hold KV that A wrote (or B wrote over A's context).
     last = attempts[-1]
-    longest = max((run["token_ids"] for straddle in attempts for run in straddle.runs), key=len)
+    sampled_by_a = (run for straddle in attempts for run in straddle.runs if straddle.boundary(run) > 0)
+    longest = max((run["token_ids"] for run in sampled_by_a), key=len)
     prompt = PROMPT + longest[:-1]
     assert len(prompt) > 128, "no request ran long enough to fill a KV block (128 tokens on CPU)"
     completion = asyncio.run(sample(stack_keeping_kv["router"], seed=77, prompt=prompt, max_tokens=8))
