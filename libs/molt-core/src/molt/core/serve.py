@@ -36,6 +36,7 @@ from molt.core.errors import (
     Unavailable,
     WrongState,
 )
+from molt.core.stallwatch import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class Registration:
 
 @dataclass
 class ServiceHost:
-    """An aio gRPC server with health, reflection and a metrics endpoint."""
+    """An aio gRPC server with health, reflection, a metrics endpoint and an event-loop stall watch."""
 
     name: str
     listen: str
@@ -134,6 +135,7 @@ class ServiceHost:
     server: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
     port: int = field(init=False, default=0)
+    stall_watch: StallWatch = field(init=False)
 
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING; returns the bound port."""
@@ -158,11 +160,14 @@ class ServiceHost:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.metrics_port:
             start_http_server(self.metrics_port, addr=self.listen.rsplit(":", 1)[0] or "127.0.0.1")
+        self.stall_watch = StallWatch(self.name)
+        self.stall_watch.start()
         log.info("serving", extra={"listen": self.listen, "port": self.port, "metricsPort": self.metrics_port})
         return self.port
 
     async def stop(self) -> None:
         """NOT_SERVING first (load balancers drain), then stop with a grace period."""
+        self.stall_watch.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
 

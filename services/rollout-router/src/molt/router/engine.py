@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 from uuid import uuid4
 
+from molt.core.stallwatch import StallWatch
 from molt.router.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class EngineActor:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.outbox: list[Output] = []
         self.ready = asyncio.Event()
+        self.stall_watch: StallWatch | None = None
 
     async def start(self) -> EngineInfo:
         """Builds the vLLM engine (tens of seconds on CPU); idempotent."""
@@ -125,6 +127,9 @@ class EngineActor:
             )
             self.llm = AsyncLLM.from_engine_args(args)
             await self._label(self.policy_version)
+            if self.stall_watch is None:  # after the build, which blocks this loop on purpose (imports, load)
+                self.stall_watch = StallWatch(f"engine actor {self.spec.engine_id}")
+                self.stall_watch.start()
         config = self.llm.model_config
         return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
 
@@ -303,6 +308,9 @@ class EngineActor:
         return list(await self.llm.collective_rpc(method, args=args))
 
     async def shutdown(self) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
+            self.stall_watch = None
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
