@@ -135,6 +135,29 @@ def embedded_redis(recipe: Recipe) -> bool:
     return recipe.launcher.embedded_redis or "redis_url" not in recipe.tables.get("run", {})
 
 
+def refit_problems(refit_every: int, max_staleness: int, max_steps: int) -> list[str]:
+    """A refit cadence the staleness bound cannot follow: the run would stall, not fail.
+
+    The learner's policy version is its step; the engines sample under the last version refit to them.
+    With a refit every k steps a sample can be k - 1 versions old when it is trained on, and with no
+    refits (0) as old as the step itself; samples older than ``max_staleness`` are dropped and the
+    agent-pool waits for a newer version, which never comes.
+    """
+    if refit_every == 0 and (max_steps == 0 or max_staleness < max_steps):
+        return [
+            f"learner.refit_every = 0 never sends the engines new weights: every sample stays at version 0 and is "
+            f"older than learner.max_staleness = {max_staleness} from step {max_staleness + 1} on, so the run "
+            f"stalls there; set refit_every >= 1"
+        ]
+    if refit_every > 1 and max_staleness < refit_every - 1:
+        return [
+            f"learner.refit_every = {refit_every}: samples are up to {refit_every - 1} versions old between refits, "
+            f"more than learner.max_staleness = {max_staleness} allows, so the run stalls; set max_staleness >= "
+            f"{refit_every - 1} or refit more often"
+        ]
+    return []
+
+
 def check_recipe(recipe: Recipe) -> list[str]:
     """What makes the recipe's services disagree with each other or the launcher (empty = consistent).
 
@@ -163,6 +186,7 @@ def check_recipe(recipe: Recipe) -> list[str]:
     ]
     problems = [f"{a} = {va!r} but {b} = {vb!r}" for a, va, b, vb in mirrors if va != vb]
     problems += unsound_settings(learner.model_copy(update={"mode": "rl"}))
+    problems += refit_problems(learner.refit_every, learner.max_staleness, learner.max_steps)
     if recipe.launcher.sft_warmup and learner.sft is None:
         problems.append("[launcher] sft_warmup = true needs a [learner.sft] table with data_path")
     if recipe.launcher.nodes > 1 and recipe.launcher.ray_address is None:
