@@ -135,7 +135,7 @@ class ServiceHost:
     server: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
     port: int = field(init=False, default=0)
-    stall_watch: StallWatch = field(init=False)
+    stall_watch: StallWatch | None = field(init=False, default=None)
 
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING; returns the bound port."""
@@ -167,7 +167,8 @@ class ServiceHost:
 
     async def stop(self) -> None:
         """NOT_SERVING first (load balancers drain), then stop with a grace period."""
-        self.stall_watch.stop()
+        if self.stall_watch is not None:
+            self.stall_watch.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
 
