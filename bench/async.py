@@ -19,7 +19,9 @@ tiny random model; ``longtail`` swaps in ``bench/longtail_env.py`` (a per-episod
 Pareto tail, capped at 512 tokens; see there). Samples/s is the learner's consumed samples
 over the steps after the first ``--skip`` (engine warm-up, first refits), divided by the
 time between those steps' metrics lines. The ratio async/sync is printed per workload, with the
-machine's busy CPUs over the same steps (``/proc/stat``) and each process's share. (vLLM's worker
+machine's busy CPUs over the same steps (``/proc/stat``), each process's share, and the phases of
+the broadcaster's refits (pause, move, probe, publish, resume; the engines stand still from the
+pause to the resume). (vLLM's worker
 busy-polls for a second after its last step, so on a CPU engine its share counts idle spinning too.)
 
 Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--modes sync,async] [--steps 40] [--skip 8]
@@ -118,6 +120,7 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
     ][args.skip :]
     busy_cores, per_process = sampler.window(timed[0]["time"], timed[-1]["time"])
     return {
+        "refit_phases_ms": refit_phases(run_dir / "logs" / "broadcaster.log", args.skip),
         "workload": workload,
         "mode": mode,
         "steps_timed": len(timed) - 1,
@@ -135,6 +138,19 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "wall_s": wall,
         "busy_cores": busy_cores,
         "busy_by_process": [(name, round(cores, 3)) for name, cores in per_process[:8]],
+    }
+
+
+def refit_phases(broadcaster_log: Path, skip: int) -> dict[str, tuple[float, float]]:
+    """Per phase of the broadcaster's refits after the first ``skip``: (median, p90) in ms."""
+    phases: dict[str, list[float]] = {}
+    lines = [line for line in broadcaster_log.read_text(errors="replace").splitlines() if '"refit published"' in line]
+    for line in lines[skip:]:
+        for name, seconds in json.loads(line)["phase_seconds"].items():
+            phases.setdefault(name, []).append(seconds * 1000)
+    return {
+        name: (statistics.median(values), sorted(values)[int(0.9 * (len(values) - 1))])
+        for name, values in phases.items()
     }
 
 
@@ -186,6 +202,10 @@ def main() -> None:
             for mode, r in pair.items():
                 shares = ", ".join(f"{name} {cores:.2f}" for name, cores in r["busy_by_process"])
                 print(f"  {mode} busy cpus by process: {shares}")
+            for mode, r in pair.items():
+                if r["refit_phases_ms"]:
+                    phases = ", ".join(f"{n} {m:.0f} ({p:.0f})" for n, (m, p) in r["refit_phases_ms"].items())
+                    print(f"  {mode} refit phases, ms, median (p90): {phases}")
             if {"sync", "async"} <= pair.keys():
                 ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
                 print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)
