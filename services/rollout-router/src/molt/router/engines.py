@@ -261,7 +261,9 @@ class EnginePool:
         suspended = len(self.in_flight)
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
         clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
+        started = time.monotonic()
         await asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self.actors.values()))
+        engines_s = time.monotonic() - started
         self.paused = True
         metrics.PAUSED.set(1)
         log.info(
@@ -271,6 +273,7 @@ class EnginePool:
                 "suspended": suspended,
                 "kv_cache": "cleared" if clear_cache else "kept",
                 "policy_version": self.policy_version,
+                "engines_s": round(engines_s, 4),  # the engines' part of the pause (after any drain)
             },
         )
         return suspended
@@ -284,12 +287,14 @@ class EnginePool:
                     reason="VERSION_REGRESSION",
                 )
             self.policy_version = policy_version
+        started = time.monotonic()
         await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self.actors.values()))
+        engines_s = time.monotonic() - started
         self.paused = False
         self._open.set()
         metrics.PAUSED.set(0)
         metrics.POLICY_VERSION.set(self.policy_version)
-        log.info("resumed", extra={"policy_version": self.policy_version})
+        log.info("resumed", extra={"policy_version": self.policy_version, "engines_s": round(engines_s, 4)})
         return self.policy_version
 
     def load(self) -> dict[str, tuple[int, int]]:
