@@ -21,8 +21,8 @@ over the steps after the first ``--skip`` (engine warm-up, first refits), divide
 time between those steps' metrics lines. The ratio async/sync is printed per workload, with the
 machine's busy CPUs over the same steps (``/proc/stat``), each process's share, and the phases of
 the broadcaster's refits (pause, move, probe, publish, resume; the engines stand still from the
-pause to the resume). (vLLM's worker
-busy-polls for a second after its last step, so on a CPU engine its share counts idle spinning too.)
+pause to the resume). (vLLM's worker busy-polls for a second after its last step, so on a CPU
+engine its share counts idle spinning too.)
 
 Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--modes sync,async] [--steps 40] [--skip 8]
 [--set K=V ...]``.

@@ -328,10 +328,11 @@ def straddle_refits(stack: dict[str, Any], max_attempts: int = 4) -> tuple[list[
     turn), pauses the router (keep) once every stream has its first chunk, and refits to B. Whether a
     request straddles is timing: the random tiny model often samples EOS within a few tokens (seeds
     400-407 gave 8 to 300 tokens), so the requests use ``LONG_SEEDS`` (seeded samples are the same
-    every run); and on 2 cores Ray's messages between router and engine actor now and then stall for
-    seconds (an engine reply sent at 17 ms reached the router at 1.7 s; requests
+    every run); and on 2 cores, while the engine generates, the whole machine now and then keeps
+    ordinary processes (this test's, the router's) off the CPUs for seconds (bench/RESULTS.md, "Stalls
+    of the whole machine"): an engine reply sent at 17 ms reached the router at 1.7 s, and requests
     submitted together reached the engine in bunches seconds apart, the first ones finishing before
-    the last had started). Waiting for every stream's first chunk makes the last stream to start
+    the last had started. Waiting for every stream's first chunk makes the last stream to start
     straddle; a unary request straddles when it arrived with a late bunch."""
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     model_a, model_b = load(stack["model_a"]), load(stack["model_b"])

@@ -274,21 +274,18 @@ class EngineActor:
         await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
     async def resume(self, policy_version: int) -> None:
-        await self._label(policy_version, then_resume=True)
-
-    async def _label(self, policy_version: int, then_resume: bool = False) -> None:
-        """From the next engine step on, outputs are labelled ``policy_version`` (set only while paused);
-        ``then_resume`` resumes the engine right after, in the same round trip: the engine core handles
+        """Labels outputs ``policy_version`` and resumes, in one round trip to the engine core: it handles
         one client's calls in the order they were sent (one socket, one input queue) and runs no step
         while paused, so the label is in place before the first step under the new weights."""
         self.policy_version = policy_version
         core = self.llm.engine_core
-        label = core.set_weight_version_async(str(policy_version))
-        if not then_resume:
-            await label
-            return
         # gather starts its tasks in order, and each sends its message before its first await.
-        await asyncio.gather(label, core.resume_scheduler_async())
+        await asyncio.gather(core.set_weight_version_async(str(policy_version)), core.resume_scheduler_async())
+
+    async def _label(self, policy_version: int) -> None:
+        """From the next engine step on, outputs are labelled ``policy_version`` (set only while paused)."""
+        self.policy_version = policy_version
+        await self.llm.engine_core.set_weight_version_async(str(policy_version))
 
     async def probe(self, token_ids: list[int], policy_version: int) -> list[float]:
         """Teacher-forced logprobs of ``token_ids[1:]`` under the loaded weights (temperature 1, no cut).
@@ -302,7 +299,7 @@ class EngineActor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        await self._label(policy_version, then_resume=True)
+        await self.resume(policy_version)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         final = None
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"probe-{uuid4()}"):
