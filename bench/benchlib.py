@@ -45,6 +45,7 @@ def start_router(
     temperature: float,
     max_tokens_cap: int,
     stream_interval: int | None = None,
+    wait: str | None = None,
 ) -> tuple[ServiceProcess, str]:
     """Starts ``molt-router`` on ``model`` (fp32, eager) and waits until it serves; returns it and its address."""
     from molt.core.processes import ServiceProcess, free_port
@@ -57,6 +58,7 @@ def start_router(
         f'[router.engine]\nmodel_path = "{model}"\ndtype = "float32"\nmax_model_len = {context}\n'
         f"engine_args = {{ enforce_eager = true }}\n"
         + (f"stream_interval = {stream_interval}\n" if stream_interval else "")
+        + (f'wait = "{wait}"\n' if wait else "")
         + f"[router.sampling]\ntemperature = {temperature}\nmax_tokens_cap = {max_tokens_cap}\n"
     )
     router = ServiceProcess(

@@ -33,6 +33,7 @@ import grpc
 from benchlib import CpuSampler, start_router
 
 from molt.core.tiny_model import build
+from molt.router import vllm_wait
 from molt.router.config import EngineSettings
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -60,10 +61,11 @@ def summarize(name: str, walls: list[float], latencies: list[list[float]], token
     return result
 
 
-def direct_engine(model: Path, stream_interval: int) -> Any:
+def direct_engine(model: Path, stream_interval: int, wait: str = "spin") -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    os.environ[vllm_wait.ENV] = wait  # read by molt's vLLM plugin in the engine processes started below
     args = AsyncEngineArgs(
         model=str(model),
         dtype="float32",
@@ -136,7 +138,7 @@ def router_round(
 
 
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
-    llm = direct_engine(model, args.stream_interval)
+    llm = direct_engine(model, args.stream_interval, args.direct_wait)
     sampler = CpuSampler(every_s=0.2)
     sampler.start()
     try:
@@ -209,6 +211,18 @@ def main() -> None:
         help="unary Generate (each sample handed out once, finished: the RL loop's path) instead of streaming",
     )
     parser.add_argument("--gap", type=float, default=2.0, help="seconds of quiet before each round")
+    parser.add_argument(
+        "--router-wait",
+        choices=("spin", "sleep"),
+        default="sleep",
+        help="how the router's vLLM processes wait for each other ([router.engine] wait; sleep: its CPU default)",
+    )
+    parser.add_argument(
+        "--direct-wait",
+        choices=("spin", "sleep"),
+        default="spin",
+        help="the same for the direct engine: spin is vLLM's own; sleep applies molt's vLLM plugin to it too",
+    )
     args = parser.parse_args()
     work = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,7 +232,7 @@ def main() -> None:
             f"x up to {args.max_tokens} tokens, "
             f"tiny model, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
             f"{args.rounds} rounds per side after a warm-up round, "
-            f"alternating, {os.cpu_count()} cpus"
+            f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
         )
         router, address = start_router(
             Path(tmp),
@@ -228,6 +242,7 @@ def main() -> None:
             temperature=TEMPERATURE,
             max_tokens_cap=args.max_tokens,
             stream_interval=args.stream_interval,
+            wait=args.router_wait,
         )
         try:
             asyncio.run(compare(model, address, router.pid or 0, work, args))

@@ -33,6 +33,14 @@ class EngineSettings(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through."
     )
+    wait: Literal["auto", "spin", "sleep"] = Field(
+        "auto",
+        description=(
+            "How vLLM's engine core and workers wait for each other between steps: 'spin' (vLLM's own: "
+            "sched_yield for up to a second), 'sleep' (50 us sleeps, leaving the CPUs to the model and the "
+            "processes beside it), 'auto': sleep on CPU engines, spin on GPU engines."
+        ),
+    )
 
 
 class SamplingSettings(BaseModel):

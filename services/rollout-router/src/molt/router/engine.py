@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any, Literal
 from uuid import uuid4
 
 from molt.core.stallwatch import StallWatch
+from molt.router import vllm_wait
 from molt.router.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class EngineSpec:
     dtype: str
     stream_interval: int
     engine_args: dict[str, Any]
+    wait: Literal["spin", "sleep"] = "spin"  # how vLLM's own processes wait for each other (molt.router.vllm_wait)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class EngineActor:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            # Read by molt's vLLM plugin in the engine core and worker processes vLLM is about to start.
+            os.environ[vllm_wait.ENV] = self.spec.wait
             args = AsyncEngineArgs(
                 model=str(self.spec.model_path),
                 tensor_parallel_size=self.spec.tensor_parallel_size,

@@ -126,6 +126,7 @@ class EnginePool:
             dtype=engine.dtype,
             stream_interval=engine.stream_interval,
             engine_args={**extra, **engine.engine_args},
+            wait=engine.wait if engine.wait != "auto" else ("spin" if use_gpu else "sleep"),
         )
         remote_cls = ray.remote(EngineActor)
         return remote_cls.options(  # type: ignore[attr-defined]
