@@ -31,9 +31,11 @@ class RouterUnderTest:
     address: str
     model_path: Path
     temperature: float
+    pid: int | None = None  # molt's own router (None: an external implementation)
+    metrics_url: str | None = None
 
 
-def router_recipe(model_path: Path, port: int, run_dir: Path) -> str:
+def router_recipe(model_path: Path, port: int, run_dir: Path, metrics_port: int = 0) -> str:
     return f"""
 [run]
 run_id = "router-test"
@@ -41,7 +43,7 @@ run_dir = "{run_dir}"
 
 [router]
 listen = "127.0.0.1:{port}"
-metrics_port = 0
+metrics_port = {metrics_port}
 max_message_bytes = {ROUTER_MAX_MESSAGE_BYTES}
 
 [router.engine]
@@ -71,9 +73,9 @@ def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         )
         return
     workdir = tmp_path_factory.mktemp("router")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     recipe = workdir / "recipe.toml"
-    recipe.write_text(router_recipe(tiny_model, port, workdir / "run"))
+    recipe.write_text(router_recipe(tiny_model, port, workdir / "run", metrics_port))
     process = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],
         f"127.0.0.1:{port}",
@@ -82,5 +84,11 @@ def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         service="molt.v1.RolloutService",
     )
     process.start(timeout_s=420)
-    yield RouterUnderTest(f"127.0.0.1:{port}", tiny_model, ROUTER_TEMPERATURE)
+    yield RouterUnderTest(
+        f"127.0.0.1:{port}",
+        tiny_model,
+        ROUTER_TEMPERATURE,
+        pid=process.pid,
+        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+    )
     process.stop()

@@ -67,6 +67,16 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class Submission:
+    """A request for the engine (with ``final_only``, each sample comes out once, finished)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    final_only: bool = False
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What the served model accepts."""
 
@@ -138,13 +148,18 @@ class EngineActor:
         config = self.llm.model_config
         return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
 
-    async def submit(
-        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool = False
-    ) -> None:
-        """Starts a request; its chunks come out of ``next_outputs`` (with ``final_only``, once it finished)."""
-        if request_id in self.tasks:
-            raise ValueError(f"request {request_id!r} is already running on {self.spec.engine_id}")
-        self.tasks[request_id] = asyncio.create_task(self._run(request_id, prompt_token_ids, sampling, final_only))
+    async def submit(self, submissions: list[Submission]) -> list[str | None]:
+        """Starts requests (the router sends all it has at once: one Ray call for a burst); their chunks
+        come out of ``next_outputs``. Returns, per request, None or why it was refused."""
+        refusals: list[str | None] = []
+        for s in submissions:
+            if s.request_id in self.tasks:
+                refusals.append(f"request {s.request_id!r} is already running on {self.spec.engine_id}")
+                continue
+            run = self._run(s.request_id, s.prompt_token_ids, s.sampling, s.final_only)
+            self.tasks[s.request_id] = asyncio.create_task(run)
+            refusals.append(None)
+        return refusals
 
     async def next_outputs(self) -> list[Output]:
         """Waits for output, then returns everything produced since the last call (oldest first)."""

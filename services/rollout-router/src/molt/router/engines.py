@@ -4,7 +4,9 @@
 a running one of the same name), routes each request (``routing.pick_engine``),
 and gates admission while paused: requests arriving during a pause wait (up to
 ``pause.paused_wait_timeout_s``) instead of failing. One pump task per engine
-long-polls ``next_outputs`` and hands each chunk to its request's queue.
+long-polls ``next_outputs`` and hands each chunk to its request's queue; on the
+way in, the requests that arrive in one pass of the event loop reach their engine
+in one Ray call (a burst of 64 separate calls took 20-37 ms to arrive here).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable
 from molt.router import metrics
 from molt.router.config import RouterSettings
-from molt.router.engine import RESERVED_ENGINE_ARGS, Chunk, EngineActor, EngineInfo, EngineSpec, Failure
+from molt.router.engine import (
+    RESERVED_ENGINE_ARGS,
+    Chunk,
+    EngineActor,
+    EngineInfo,
+    EngineSpec,
+    Failure,
+    Submission,
+)
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 
@@ -49,6 +59,8 @@ class EnginePool:
         self.in_flight: dict[str, InFlight] = {}
         self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
         self.pumps: list[asyncio.Task[None]] = []
+        self.outgoing: dict[str, list[tuple[Submission, asyncio.Future[None]]]] = {}  # per engine, not yet sent
+        self.sending: set[asyncio.Task[None]] = set()
         self.policy_version = 0
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
@@ -191,7 +203,7 @@ class EnginePool:
         metrics.REQUESTS_IN_FLIGHT.inc()
         started, outcome, finished = time.monotonic(), "aborted", 0
         try:
-            await actor.submit.remote(request_id, prompt_token_ids, sampling, final_only)
+            await self._submit(engine_id, Submission(request_id, prompt_token_ids, sampling, final_only))
             while finished < sampling.sample_count:
                 item = await queue.get()
                 if isinstance(item, Failure):
@@ -215,6 +227,39 @@ class EnginePool:
             metrics.REQUESTS_IN_FLIGHT.dec()
             metrics.REQUESTS.labels(outcome).inc()
             metrics.REQUEST_SECONDS.observe(time.monotonic() - started)
+
+    async def _submit(self, engine_id: str, submission: Submission) -> None:
+        """Hands a request to its engine, together with the others submitted in this pass of the loop."""
+        loop = asyncio.get_running_loop()
+        batch = self.outgoing.get(engine_id)
+        if batch is None:
+            batch = self.outgoing[engine_id] = []
+            task = loop.create_task(self._send(engine_id))  # runs once this pass's other handlers added theirs
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
+        sent: asyncio.Future[None] = loop.create_future()
+        batch.append((submission, sent))
+        await sent
+
+    async def _send(self, engine_id: str) -> None:
+        batch = [(s, sent) for s, sent in self.outgoing.pop(engine_id) if not sent.cancelled()]  # callers gone
+        if not batch:
+            return
+        metrics.SUBMIT_BATCH.observe(len(batch))
+        try:
+            refusals = await self.actors[engine_id].submit.remote([s for s, _ in batch])
+        except Exception as exc:  # the engine died: every caller learns it (RayActorError)
+            for _, sent in batch:
+                if not sent.done():
+                    sent.set_exception(exc)
+            return
+        for (_, sent), refusal in zip(batch, refusals, strict=True):
+            if sent.done():
+                continue
+            if refusal is None:
+                sent.set_result(None)
+            else:
+                sent.set_exception(InvalidInput(refusal, reason="DUPLICATE_REQUEST_ID"))
 
     async def _admit(self) -> None:
         if self._open.is_set():
