@@ -30,7 +30,7 @@ import os
 import time
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.plugins.molt_wait")  # under vLLM's logger: its processes print that one
 
 ENV = "MOLT_VLLM_WAIT"
 SLEEP_S = 50e-6
@@ -61,4 +61,4 @@ def register() -> None:
 
     wait.molt_sleeps = True  # type: ignore[attr-defined]
     condition.wait = wait  # type: ignore[method-assign]
-    log.info("vLLM's shared-memory queue readers sleep instead of spinning", extra={"pid": os.getpid()})
+    log.info("molt: vLLM's shared-memory queue readers sleep instead of spinning (%s=sleep)", ENV)
