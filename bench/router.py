@@ -84,16 +84,32 @@ Round = Callable[[str], Awaitable[list[tuple[float, int]]]]
 Request = Callable[[int, list[int], str], Awaitable[tuple[float, int]]]  # (index, prompt, tag) -> (s, tokens)
 
 
-def concurrently(one: Request, work: list[list[int]]) -> Round:
-    """A round: every prompt of ``work`` sent at once through ``one``, tagged with the round's tag."""
+def concurrently(one: Request, work: list[list[int]], seconds: float = 0.0) -> Round:
+    """A round: every prompt of ``work`` sent at once through ``one``, tagged with the round's tag.
+
+    With ``seconds`` > 0, a closed loop instead: one client per prompt sends it again as soon as
+    its previous request finished, until ``seconds`` have passed (as the agent-pool keeps its
+    groups in flight); the round ends when the last request finished."""
 
     async def round_(tag: str) -> list[tuple[float, int]]:
         return list(await asyncio.gather(*(one(i, p, tag) for i, p in enumerate(work))))
 
-    return round_
+    async def closed_loop(tag: str) -> list[tuple[float, int]]:
+        deadline = time.perf_counter() + seconds
+
+        async def client(i: int, prompt: list[int]) -> list[tuple[float, int]]:
+            done: list[tuple[float, int]] = []
+            while time.perf_counter() < deadline:
+                done.append(await one(i, prompt, f"{tag}.{len(done)}"))
+            return done
+
+        per_client = await asyncio.gather(*(client(i, p) for i, p in enumerate(work)))
+        return [result for results in per_client for result in results]
+
+    return closed_loop if seconds > 0 else round_
 
 
-def direct_round(llm: Any, work: list[list[int]], max_tokens: int, unary: bool) -> Round:
+def direct_round(llm: Any, work: list[list[int]], max_tokens: int, unary: bool, seconds: float = 0.0) -> Round:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -107,11 +123,11 @@ def direct_round(llm: Any, work: list[list[int]], max_tokens: int, unary: bool) 
             count += len(out.outputs[0].token_ids)
         return time.perf_counter() - started, count
 
-    return concurrently(one, work)
+    return concurrently(one, work, seconds)
 
 
 def router_round(
-    stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]], max_tokens: int, unary: bool
+    stub: rollout_pb2_grpc.RolloutServiceStub, work: list[list[int]], max_tokens: int, unary: bool, seconds: float = 0.0
 ) -> Round:
     async def one_unary(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
         request = rollout_pb2.GenerateRequest(
@@ -134,7 +150,7 @@ def router_round(
             count += len(chunk.token_ids)
         return time.perf_counter() - started, count
 
-    return concurrently(one_unary if unary else one, work)
+    return concurrently(one_unary if unary else one, work, seconds)
 
 
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
@@ -144,8 +160,10 @@ async def compare(model: Path, address: str, router_pid: int, work: list[list[in
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             sides = {
-                "direct": direct_round(llm, work, args.max_tokens, args.unary),
-                "router": router_round(rollout_pb2_grpc.RolloutServiceStub(channel), work, args.max_tokens, args.unary),
+                "direct": direct_round(llm, work, args.max_tokens, args.unary, args.closed_loop),
+                "router": router_round(
+                    rollout_pb2_grpc.RolloutServiceStub(channel), work, args.max_tokens, args.unary, args.closed_loop
+                ),
             }
             measured: dict[str, tuple[list[float], list[list[float]], list[int]]] = {n: ([], [], []) for n in sides}
             windows: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
@@ -212,6 +230,14 @@ def main() -> None:
     )
     parser.add_argument("--gap", type=float, default=2.0, help="seconds of quiet before each round")
     parser.add_argument(
+        "--closed-loop",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="rounds of SECONDS in which each client resends as soon as its request finished (steady load, "
+        "as the RL loop's), instead of one burst per round",
+    )
+    parser.add_argument(
         "--router-wait",
         choices=("spin", "sleep"),
         default="sleep",
@@ -232,7 +258,8 @@ def main() -> None:
             f"x up to {args.max_tokens} tokens, "
             f"tiny model, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
             f"{args.rounds} rounds per side after a warm-up round, "
-            f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
+            + (f"closed loop for {args.closed_loop:g} s per round, " if args.closed_loop else "one burst per round, ")
+            + f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
         )
         router, address = start_router(
             Path(tmp),
