@@ -19,6 +19,7 @@ from molt.core.log import setup_logging
 from molt.launcher.plan import plan_or_raise
 from molt.launcher.progress import gather, status_line
 from molt.launcher.recipe import load_recipe
+from molt.launcher.settings_doc import render as render_settings
 from molt.launcher.state import RunState, describe, down
 from molt.launcher.up import up
 
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("status", "show a run's processes and progress"), ("down", "stop a running `molt up`")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--run-dir", type=Path, help="run directory (default: the live, else newest, run in runs/)")
+    commands.add_parser("settings", help="print the configuration reference (every recipe key) as markdown")
     commands.choices["down"].add_argument(
         "--timeout", type=float, default=900.0, help="seconds to wait for the launcher's own orderly stop"
     )
@@ -71,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     setup_logging("molt", "launcher", level="WARNING")
     try:
-        if args.command == "plan":
+        if args.command == "settings":
+            sys.stdout.write(render_settings())
+        elif args.command == "plan":
             recipe = load_recipe(args.recipe, args.set)
             sys.stdout.write(plan_or_raise(recipe).render(f"plan for {args.recipe}:") + "\n")
         elif args.command == "up":
