@@ -14,7 +14,11 @@ per-round ratios, and where the CPU went during each side's rounds.
 Streaming by default (``GenerateStream`` against vLLM's DELTA outputs, a message per
 ``stream_interval`` tokens); ``--unary`` compares the unary ``Generate`` against vLLM's
 FINAL_ONLY outputs (each sample handed out once, finished), the path the RL loop's turns take.
-Usage: ``uv run python bench/router.py [--unary] [--requests 64] [--max-tokens 128] [--rounds 6] [--gap 2]``.
+Each round is one burst (every request sent at once; the round ends with the slowest), or with
+``--closed-loop SECONDS`` a steady load (each client resends as soon as its request finished, as
+the agent-pool keeps its groups in flight). The router's engine sleeps instead of spinning (its CPU
+default, ``[router.engine] wait``); the direct engine is vLLM as shipped unless ``--direct-wait sleep``.
+Usage: ``uv run python bench/router.py [--unary] [--closed-loop 6] [--direct-wait sleep] [--rounds 6]``.
 """
 
 from __future__ import annotations
