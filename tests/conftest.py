@@ -33,6 +33,7 @@ class RouterUnderTest:
     temperature: float
     pid: int | None = None  # molt's own router (None: an external implementation)
     metrics_url: str | None = None
+    log_path: Path | None = None
 
 
 def router_recipe(model_path: Path, port: int, run_dir: Path, metrics_port: int = 0) -> str:
@@ -90,5 +91,6 @@ def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         ROUTER_TEMPERATURE,
         pid=process.pid,
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        log_path=workdir / "router.log",
     )
     process.stop()

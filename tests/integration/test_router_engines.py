@@ -27,45 +27,47 @@ def own_router(router: Any) -> Any:
     return router
 
 
-def batch_histogram(metrics_url: str) -> tuple[float, float]:
-    """(requests, Ray calls) of ``molt_router_submit_batch_requests`` so far."""
+def router_metrics(metrics_url: str) -> dict[str, float]:
     text = requests.get(metrics_url, timeout=10).text
-    values = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if family.name == "molt_router_submit_batch_requests"
-    }
-    return values["molt_router_submit_batch_requests_sum"], values["molt_router_submit_batch_requests_count"]
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def test_a_burst_of_requests_reaches_the_engine_in_fewer_ray_calls(own_router: Any) -> None:
-    before_requests, before_calls = batch_histogram(own_router.metrics_url)
+def test_requests_released_together_reach_the_engine_in_one_ray_call(own_router: Any) -> None:
+    """Requests that arrive during a pause wait at admission; the resume releases them in one pass of
+    the router's loop, so they reach the engine in one Ray call."""
+    before = router_metrics(own_router.metrics_url)
 
-    async def burst() -> list[rollout_pb2.GenerateResponse]:
+    async def held_then_released() -> list[rollout_pb2.GenerateResponse]:
         async with grpc.aio.insecure_channel(own_router.address) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-            return list(
-                await asyncio.gather(
-                    *(
-                        stub.Generate(
-                            rollout_pb2.GenerateRequest(
-                                request_id=f"burst-{i}",
-                                prompt_token_ids=[258, 84, 82, 17 + i % 10],
-                                sampling_params=common_pb2.SamplingParams(max_tokens=4, seed=i),
-                            ),
-                            timeout=120,
-                        )
-                        for i in range(32)
+            status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+            await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
+            calls = [
+                asyncio.ensure_future(
+                    stub.Generate(
+                        rollout_pb2.GenerateRequest(
+                            request_id=f"held-{i}",
+                            prompt_token_ids=[258, 84, 82, 17 + i % 10],
+                            sampling_params=common_pb2.SamplingParams(max_tokens=4, seed=i),
+                        ),
+                        timeout=120,
                     )
                 )
-            )
+                for i in range(32)
+            ]
+            for _ in range(600):  # until all 32 wait at admission
+                if router_metrics(own_router.metrics_url)["molt_router_requests_waiting"] == 32:
+                    break
+                await asyncio.sleep(0.05)
+            await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(policy_version=status.policy_version))
+            return list(await asyncio.gather(*calls))
 
-    responses = asyncio.run(burst())
+    responses = asyncio.run(held_then_released())
     assert all(len(r.completions[0].token_ids) > 0 for r in responses)
-    after_requests, after_calls = batch_histogram(own_router.metrics_url)
-    assert after_requests - before_requests == 32
-    assert 1 <= after_calls - before_calls < 32, "every request went to the engine in a Ray call of its own"
+    after = router_metrics(own_router.metrics_url)
+    key = "molt_router_submit_batch_requests"
+    assert after[f"{key}_sum"] - before.get(f"{key}_sum", 0.0) == 32
+    assert after[f"{key}_count"] - before.get(f"{key}_count", 0.0) == 1, "the released requests were not batched"
 
 
 def descendants(root: int) -> list[int]:
@@ -99,3 +101,10 @@ def test_cpu_engine_processes_are_told_to_sleep_instead_of_spinning(own_router: 
             waits[name] = setting[0] if setting else None
     assert {"VLLM::EngineCor", "VLLM::Worker"} <= set(waits), f"engine processes not found: {waits}"
     assert set(waits.values()) == {"sleep"}, waits
+    # ... and the plugin acted in both (each logs once through vLLM's logger, which reaches the router's log)
+    applied = [
+        line
+        for line in own_router.log_path.read_text(errors="replace").splitlines()
+        if "readers sleep instead of spinning" in line
+    ]
+    assert any("EngineCore" in line for line in applied) and any("Worker" in line for line in applied), applied

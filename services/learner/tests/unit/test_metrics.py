@@ -48,4 +48,6 @@ def test_a_failed_background_drawing_is_logged_and_training_goes_on(
     log.drawing.result()  # the failure does not propagate out of the background drawing
     assert "could not redraw the reward curve" in caplog.text
     with pytest.raises(RuntimeError, match="no fonts"):
-        log.plot()  # an explicit (final) drawing still raises
+        log.plot()  # an explicit drawing still raises
+    log.close()  # the end of a run logs it and still flushes and stops the rest
+    assert "could not draw the final reward curve" in caplog.text

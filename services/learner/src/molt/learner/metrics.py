@@ -144,6 +144,11 @@ class MetricsLog:
         os.replace(tmp, self.plot_path)
 
     def close(self) -> None:
-        self.plot()
-        self.drawer.shutdown()
-        self.writer.close()
+        """Draws the final curve (a failure is logged: the run's outputs matter more), flushes the rest."""
+        try:
+            self.plot()
+        except Exception:
+            log.exception("could not draw the final reward curve", extra={"path": str(self.plot_path)})
+        finally:
+            self.drawer.shutdown()
+            self.writer.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,6 +48,14 @@ class InFlight:
     load: int  # prompt + max generated tokens: the work it may still cost the engine
 
 
+@dataclass
+class Outgoing:
+    """Requests gathered for one Ray call to an engine."""
+
+    items: list[tuple[Submission, asyncio.Future[None]]]  # each with its caller's future
+    delivered: asyncio.Event  # set once the call returned (or failed)
+
+
 class EnginePool:
     """Owns the engine actors and the request lifecycle across them."""
 
@@ -59,8 +67,9 @@ class EnginePool:
         self.in_flight: dict[str, InFlight] = {}
         self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
         self.pumps: list[asyncio.Task[None]] = []
-        self.outgoing: dict[str, list[tuple[Submission, asyncio.Future[None]]]] = {}  # per engine, not yet sent
-        self.sending: set[asyncio.Task[None]] = set()
+        self.outgoing: dict[str, Outgoing] = {}  # per engine: the batch being gathered
+        self.delivering: dict[str, asyncio.Event] = {}  # request id -> set once its batch reached the engine
+        self.background: set[asyncio.Task[None]] = set()  # batch sends and aborts in flight
         self.policy_version = 0
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
@@ -153,8 +162,8 @@ class EnginePool:
 
     async def shutdown(self) -> None:
         """Stops the engines unless they are detached (then a later router attaches to them)."""
-        for pump in self.pumps:
-            pump.cancel()
+        for task in [*self.pumps, *self.background]:
+            task.cancel()
         if self.settings.engine.detached:
             return
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors.values()), return_exceptions=True)
@@ -193,9 +202,10 @@ class EnginePool:
         if request_id in self.in_flight:
             raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
         await self._admit()
+        if request_id in self.in_flight:  # one with the same id may have been admitted while this one waited
+            raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
         engine_id = pick_engine(list(self.actors), session_id, load)
-        actor = self.actors[engine_id]
         queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
         self.queues[request_id] = queue
         self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
@@ -203,7 +213,12 @@ class EnginePool:
         metrics.REQUESTS_IN_FLIGHT.inc()
         started, outcome, finished = time.monotonic(), "aborted", 0
         try:
-            await self._submit(engine_id, Submission(request_id, prompt_token_ids, sampling, final_only))
+            await self._submit(
+                engine_id,
+                Submission(
+                    request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling, final_only=final_only
+                ),
+            )
             while finished < sampling.sample_count:
                 item = await queue.get()
                 if isinstance(item, Failure):
@@ -219,8 +234,8 @@ class EnginePool:
             outcome = "error"
             raise Unavailable(f"{engine_id} died while serving {request_id}", reason="ENGINE_UNAVAILABLE") from exc
         finally:
-            if finished < sampling.sample_count:
-                actor.abort.remote(request_id)  # fire and forget: the caller is gone or failed
+            if finished < sampling.sample_count:  # the caller is gone or failed
+                self._in_background(self._abort_in_engine(engine_id, request_id))
             del self.in_flight[request_id], self.queues[request_id]
             if not self.in_flight:
                 self._idle.set()
@@ -228,38 +243,61 @@ class EnginePool:
             metrics.REQUESTS.labels(outcome).inc()
             metrics.REQUEST_SECONDS.observe(time.monotonic() - started)
 
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # e.g. an abort sent to a dead engine
+            log.warning("engine call in the background failed", extra={"error": repr(task.exception())})
+
     async def _submit(self, engine_id: str, submission: Submission) -> None:
         """Hands a request to its engine, together with the others submitted in this pass of the loop."""
-        loop = asyncio.get_running_loop()
         batch = self.outgoing.get(engine_id)
         if batch is None:
-            batch = self.outgoing[engine_id] = []
-            task = loop.create_task(self._send(engine_id))  # runs once this pass's other handlers added theirs
-            self.sending.add(task)
-            task.add_done_callback(self.sending.discard)
-        sent: asyncio.Future[None] = loop.create_future()
-        batch.append((submission, sent))
+            batch = self.outgoing[engine_id] = Outgoing([], asyncio.Event())
+            self._in_background(self._send(engine_id))  # runs once this pass's other handlers added theirs
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        batch.items.append((submission, sent))
+        self.delivering[submission.request_id] = batch.delivered
         await sent
 
     async def _send(self, engine_id: str) -> None:
-        batch = [(s, sent) for s, sent in self.outgoing.pop(engine_id) if not sent.cancelled()]  # callers gone
-        if not batch:
-            return
-        metrics.SUBMIT_BATCH.observe(len(batch))
+        """Sends ``engine_id``'s gathered batch in one Ray call and tells each caller how it went."""
+        batch = self.outgoing.pop(engine_id)
         try:
-            refusals = await self.actors[engine_id].submit.remote([s for s, _ in batch])
-        except Exception as exc:  # the engine died: every caller learns it (RayActorError)
-            for _, sent in batch:
+            live = [(s, sent) for s, sent in batch.items if not sent.cancelled()]  # callers that left: not sent
+            if not live:
+                return
+            metrics.SUBMIT_BATCH.observe(len(live))
+            refusals = await self.actors[engine_id].submit.remote([s for s, _ in live])
+            for (_, sent), refusal in zip(live, refusals, strict=True):
+                if sent.done():
+                    continue
+                if refusal is None:
+                    sent.set_result(None)
+                else:
+                    sent.set_exception(InvalidInput(refusal, reason="DUPLICATE_REQUEST_ID"))
+        except BaseException as exc:  # the engine died (RayActorError), or shutdown cancelled the send
+            for _, sent in batch.items:
                 if not sent.done():
-                    sent.set_exception(exc)
-            return
-        for (_, sent), refusal in zip(batch, refusals, strict=True):
-            if sent.done():
-                continue
-            if refusal is None:
-                sent.set_result(None)
-            else:
-                sent.set_exception(InvalidInput(refusal, reason="DUPLICATE_REQUEST_ID"))
+                    sent.set_exception(exc if isinstance(exc, Exception) else Unavailable("router shutting down"))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            batch.delivered.set()
+            for s, _ in batch.items:
+                self.delivering.pop(s.request_id, None)
+
+    async def _abort_in_engine(self, engine_id: str, request_id: str) -> None:
+        """Aborts the request in its engine once its submission got there (an abort that overtook the
+        submission would find nothing to abort, and the request would then run to its end)."""
+        delivered = self.delivering.get(request_id)
+        if delivered is not None:
+            await delivered.wait()
+        await self.actors[engine_id].abort.remote(request_id)
 
     async def _admit(self) -> None:
         if self._open.is_set():
@@ -282,7 +320,7 @@ class EnginePool:
         flight = self.in_flight.get(request_id)
         if flight is None:
             return False
-        await self.actors[flight.engine_id].abort.remote(request_id)
+        await self._abort_in_engine(flight.engine_id, request_id)
         return True
 
     # -- pause / resume --------------------------------------------------------------------

@@ -49,9 +49,12 @@ def register() -> None:
     if getattr(condition.wait, "molt_sleeps", False):
         return  # vLLM loads plugins once per process, but a test may call this again
     spin_wait = condition.wait
-    if not {"last_read", "busy_loop_s"} <= set(condition.__init__.__code__.co_names):
+    names = set(condition.__init__.__code__.co_names) | set(spin_wait.__code__.co_names)
+    if not {"last_read", "busy_loop_s", "sched_yield"} <= names:
         log.warning("vLLM's SpinCondition changed shape; its waits keep spinning (%s ignored)", ENV)
         return
+    if os.environ.get("VLLM_USE_SPINLOOP_EXT", "0") == "1":
+        log.warning("VLLM_USE_SPINLOOP_EXT=1: vLLM's readers spin in its extension first, which %s leaves alone", ENV)
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
         if time.monotonic() <= self.last_read + self.busy_loop_s:
