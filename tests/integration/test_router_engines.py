@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
-import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from molt.core.processes import session_members
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.integration]
@@ -28,7 +29,7 @@ def own_router(router: Any) -> Any:
 
 
 def router_metrics(metrics_url: str) -> dict[str, float]:
-    text = requests.get(metrics_url, timeout=10).text
+    text = httpx.get(metrics_url, timeout=10).text
     return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
@@ -70,27 +71,9 @@ def test_requests_released_together_reach_the_engine_in_one_ray_call(own_router:
     assert after[f"{key}_count"] - before.get(f"{key}_count", 0.0) == 1, "the released requests were not batched"
 
 
-def descendants(root: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid]
-        found += children
-        frontier += children
-    return found
-
-
 def test_cpu_engine_processes_are_told_to_sleep_instead_of_spinning(own_router: Any) -> None:
     waits = {}
-    for pid in descendants(own_router.pid):
+    for pid in session_members(own_router.pid):  # the router's session: its Ray head and engine processes
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

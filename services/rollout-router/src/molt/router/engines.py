@@ -46,6 +46,7 @@ class InFlight:
 
     engine_id: str
     load: int  # prompt + max generated tokens: the work it may still cost the engine
+    delivered: asyncio.Event | None = None  # its submission's batch: set once the engine has it
 
 
 @dataclass
@@ -68,7 +69,6 @@ class EnginePool:
         self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
         self.pumps: list[asyncio.Task[None]] = []
         self.outgoing: dict[str, Outgoing] = {}  # per engine: the batch being gathered
-        self.delivering: dict[str, asyncio.Event] = {}  # request id -> set once its batch reached the engine
         self.background: set[asyncio.Task[None]] = set()  # batch sends and aborts in flight
         self.policy_version = 0
         self.paused = False
@@ -199,22 +199,20 @@ class EnginePool:
     ) -> AsyncIterator[tuple[str, Chunk]]:
         """Yields ``(engine_id, chunk)`` for the request (with ``final_only``, each sample's chunks only
         once it finished); leaving early aborts it in the engine."""
-        if request_id in self.in_flight:
-            raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
+        self._refuse_duplicate(request_id)
         await self._admit()
-        if request_id in self.in_flight:  # one with the same id may have been admitted while this one waited
-            raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
+        self._refuse_duplicate(request_id)  # one with the same id may have been admitted while this one waited
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
         engine_id = pick_engine(list(self.actors), session_id, load)
         queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
         self.queues[request_id] = queue
-        self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
+        flight = self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
         self._idle.clear()
         metrics.REQUESTS_IN_FLIGHT.inc()
         started, outcome, finished = time.monotonic(), "aborted", 0
         try:
             await self._submit(
-                engine_id,
+                flight,
                 Submission(
                     request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling, final_only=final_only
                 ),
@@ -235,7 +233,7 @@ class EnginePool:
             raise Unavailable(f"{engine_id} died while serving {request_id}", reason="ENGINE_UNAVAILABLE") from exc
         finally:
             if finished < sampling.sample_count:  # the caller is gone or failed
-                self._in_background(self._abort_in_engine(engine_id, request_id))
+                self._in_background(self._abort_in_engine(flight, request_id))
             del self.in_flight[request_id], self.queues[request_id]
             if not self.in_flight:
                 self._idle.set()
@@ -253,15 +251,19 @@ class EnginePool:
         if not task.cancelled() and task.exception() is not None:  # e.g. an abort sent to a dead engine
             log.warning("engine call in the background failed", extra={"error": repr(task.exception())})
 
-    async def _submit(self, engine_id: str, submission: Submission) -> None:
+    def _refuse_duplicate(self, request_id: str) -> None:
+        if request_id in self.in_flight:
+            raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
+
+    async def _submit(self, flight: InFlight, submission: Submission) -> None:
         """Hands a request to its engine, together with the others submitted in this pass of the loop."""
-        batch = self.outgoing.get(engine_id)
+        batch = self.outgoing.get(flight.engine_id)
         if batch is None:
-            batch = self.outgoing[engine_id] = Outgoing([], asyncio.Event())
-            self._in_background(self._send(engine_id))  # runs once this pass's other handlers added theirs
+            batch = self.outgoing[flight.engine_id] = Outgoing([], asyncio.Event())
+            self._in_background(self._send(flight.engine_id))  # runs once this pass's other handlers added theirs
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         batch.items.append((submission, sent))
-        self.delivering[submission.request_id] = batch.delivered
+        flight.delivered = batch.delivered
         await sent
 
     async def _send(self, engine_id: str) -> None:
@@ -288,16 +290,13 @@ class EnginePool:
                 raise
         finally:
             batch.delivered.set()
-            for s, _ in batch.items:
-                self.delivering.pop(s.request_id, None)
 
-    async def _abort_in_engine(self, engine_id: str, request_id: str) -> None:
+    async def _abort_in_engine(self, flight: InFlight, request_id: str) -> None:
         """Aborts the request in its engine once its submission got there (an abort that overtook the
         submission would find nothing to abort, and the request would then run to its end)."""
-        delivered = self.delivering.get(request_id)
-        if delivered is not None:
-            await delivered.wait()
-        await self.actors[engine_id].abort.remote(request_id)
+        if flight.delivered is not None:
+            await flight.delivered.wait()
+        await self.actors[flight.engine_id].abort.remote(request_id)
 
     async def _admit(self) -> None:
         if self._open.is_set():
@@ -320,7 +319,7 @@ class EnginePool:
         flight = self.in_flight.get(request_id)
         if flight is None:
             return False
-        await self._abort_in_engine(flight.engine_id, request_id)
+        await self._abort_in_engine(flight, request_id)
         return True
 
     # -- pause / resume --------------------------------------------------------------------
