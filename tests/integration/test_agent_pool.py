@@ -393,3 +393,54 @@ def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
         await rc.close()
 
     asyncio.run(main())
+
+
+def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_back(
+    tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The staleness gate counts only groups the learner can still train on (docs/queue.md, "Pacing a
+    producer"). max_staleness 0, one group per step, the router's version fixed: held back at group
+    base + 1, the pool starts exactly one more when the learner reports a group it settled without
+    training; and with a filter that drops every group, it keeps starting groups at the same version."""
+    cfg = settings(tmp_path, router, redis_server.url, group_size=2, groups_in_flight=4, groups_per_step=1)
+    cfg = cfg.model_copy(update={"max_staleness": 0})
+    env = load_agent(cfg.agent)
+    assert issubclass(env, Env)
+
+    async def started_groups(pool: RolloutPool, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while pool.stats.started_groups < count:
+            assert time.monotonic() < deadline, f"{pool.stats.started_groups} groups started, waited for {count}"
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        tokenizer = AutoTokenizer.from_pretrained(router.model_path)
+        rc = RouterClient(router.address)
+        watch = VersionWatch(rc)
+        base = await watch.refresh()
+        runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
+        queue = TrajectoryQueue(redis_client, RUN)
+
+        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.refresh)
+        pool.start(max_groups=base + 4)
+        await started_groups(pool, base + 1, 60)
+        await asyncio.sleep(1.0)
+        assert pool.stats.started_groups == base + 1 and pool.stats.backpressured
+        await asyncio.to_thread(queue.skip, 1)  # what the learner does for a group it could not train on
+        await started_groups(pool, base + 2, 30)
+        await asyncio.sleep(1.0)
+        assert pool.stats.started_groups == base + 2 and pool.stats.learner_skipped_groups == 1
+        await pool.stop(drain=True)
+
+        dropping = cfg.model_copy(
+            update={"filter": cfg.filter.model_copy(update={"enabled": True, "low": 1.0, "high": 2.0})}
+        )
+        pool = RolloutPool(dropping, runner, PromptSource(cfg.prompts_path), queue, watch, watch.refresh)
+        pool.start(max_groups=base + 4)
+        await started_groups(pool, base + 4, 120)  # each filtered group lets the next one start
+        await pool.wait_idle()
+        assert sum(pool.stats.filtered_groups.values()) == pool.stats.unqueued_groups >= 3
+        assert await watch.refresh() == base
+        await rc.close()
+
+    asyncio.run(main())

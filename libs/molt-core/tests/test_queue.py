@@ -248,6 +248,18 @@ def test_malformed_entries_go_to_dead_letters(redis_client: redis.Redis) -> None
     assert dead[0][1][b"group"] == b"\xff\xff not a protobuf"  # the original bytes are kept for inspection
     stats = queue.stats()
     assert (stats.depth, stats.pending, stats.dead_letters) == (2, 2, 3)
+    assert queue.skipped() == 3  # groups that will never be trained: a pacing producer starts others
+
+
+def test_skipped_groups_are_counted_for_producers(redis_client: redis.Redis) -> None:
+    consumer = TrajectoryQueue(redis_client, RUN, consumer="c0")
+    producer = TrajectoryQueue(redis_client, RUN)
+    assert producer.skipped() == 0  # no key yet
+    consumer.skip(2)
+    consumer.skip(0)
+    consumer.skip(1)
+    assert producer.skipped() == 3
+    assert TrajectoryQueue(redis_client, "another-run").skipped() == 0
 
 
 CONSUMER_SCRIPT = """

@@ -147,3 +147,4 @@ def test_groups_that_went_stale_are_dropped_and_acknowledged(
     assert loop.status().dropped == {"stale": 8}
     assert loop.state.step == 2 and loop.last_checkpoint_step == 2
     assert producer.stats().depth == 0
+    assert producer.skipped() == 2  # two whole groups settled untrained: the agent-pool starts two more

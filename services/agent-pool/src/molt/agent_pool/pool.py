@@ -7,7 +7,10 @@
 - Dynamic filtering drops groups whose mean reward is not strictly inside the band.
 - Staleness backpressure: group k starts only when the policy version is at least
   ``k // groups_per_step - max_staleness``, so no queued sample can be more than
-  ``max_staleness`` versions old when the learner reaches it.
+  ``max_staleness`` versions old when the learner reaches it. k counts the groups the
+  learner can still train: groups this pool filtered or could not queue, and groups the
+  learner skipped (the queue's counter), do not count, since the learner takes others
+  in their place (docs/queue.md, "Pacing a producer").
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import duration_pb2, timestamp_pb2
+from redis import RedisError
 
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
@@ -78,6 +82,8 @@ class PoolStats:
     failed_episodes: Counter[str] = field(default_factory=Counter)
     filtered_groups: Counter[str] = field(default_factory=Counter)
     queued_groups: int = 0
+    unqueued_groups: int = 0  # finished but not queued: filtered, no episode, or every trajectory a duplicate
+    learner_skipped_groups: int = 0  # queued, then settled by the learner without training (since this pool began)
     queued_trajectories: int = 0
     recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     backpressured: bool = False
@@ -120,6 +126,12 @@ class RolloutPool:
         self.producer = asyncio.create_task(self._produce(max_groups))
         return True
 
+    @property
+    def trainable_index(self) -> int:
+        """The next group's place among the groups the learner can still train on."""
+        s = self.stats
+        return s.started_groups - s.unqueued_groups - s.learner_skipped_groups
+
     async def stop(self, drain: bool) -> int:
         """Stops starting groups; waits for in-flight ones (drain) or cancels them. Returns abandoned episodes."""
         if self.producer is not None:
@@ -139,19 +151,25 @@ class RolloutPool:
 
     async def _produce(self, max_groups: int) -> None:
         slots = asyncio.Semaphore(self.settings.groups_in_flight)
+        skipped_before = await self._learner_skipped() or 0  # a pool started mid-run counts from here
         while max_groups == 0 or self.stats.started_groups < max_groups:
             await slots.acquire()
-            await self._wait_for_learner(self.stats.started_groups)
+            await self._wait_for_learner(skipped_before)
             self.stats.started_groups += 1
             task = asyncio.create_task(self._group(self.prompts.next()))
             self.groups.add(task)
             task.add_done_callback(lambda t: (self.groups.discard(t), slots.release()))
 
-    async def _wait_for_learner(self, index: int) -> None:
-        needed = index // self.settings.groups_per_step - self.settings.max_staleness
-        while self.policy_version() < needed:
+    def _needed_version(self) -> int:
+        return self.trainable_index // self.settings.groups_per_step - self.settings.max_staleness
+
+    async def _wait_for_learner(self, skipped_before: int) -> None:
+        while self.policy_version() < (needed := self._needed_version()):
             if not self.stats.backpressured:
-                log.info("waiting for the learner", extra={"needed_version": needed, "group": index})
+                log.info(
+                    "waiting for the learner",
+                    extra={"needed_version": needed, "group": self.stats.started_groups, "index": self.trainable_index},
+                )
             self.stats.backpressured = True
             metrics.BACKPRESSURED.set(1)
             # Held back, the engines may idle: ask for the version often (the background watch polls once a
@@ -159,8 +177,18 @@ class RolloutPool:
             await asyncio.sleep(VERSION_POLL_S)
             if self.refresh_version is not None:
                 await self.refresh_version()
+            if (skipped := await self._learner_skipped()) is not None:
+                self.stats.learner_skipped_groups = skipped - skipped_before
         self.stats.backpressured = False
         metrics.BACKPRESSURED.set(0)
+
+    async def _learner_skipped(self) -> int | None:
+        """The queue's count of groups the learner skipped (None when Redis cannot say now)."""
+        try:
+            return await asyncio.to_thread(self.queue.skipped)
+        except RedisError as exc:
+            log.warning("cannot read the learner's skipped groups", extra={"error": str(exc)})
+            return None
 
     async def _group(self, prompt: Prompt) -> None:
         self.stats.in_flight_groups += 1
@@ -193,6 +221,7 @@ class RolloutPool:
         return episode
 
     def _filtered(self, reason: str, prompt: Prompt) -> None:
+        self.stats.unqueued_groups += 1
         self.stats.filtered_groups[reason] += 1
         metrics.GROUPS_FILTERED.labels(reason).inc()
         log.info("group not queued", extra={"reason": reason, "prompt_id": prompt.get("id")})
@@ -210,6 +239,7 @@ class RolloutPool:
         result = await asyncio.to_thread(self.queue.put, group)  # blocks while the queue is full
         queued = len(group.trajectories) - len(result.duplicate_ids)
         self.stats.queued_groups += result.entry_id is not None
+        self.stats.unqueued_groups += result.entry_id is None
         self.stats.queued_trajectories += queued
         metrics.GROUPS_QUEUED.inc(result.entry_id is not None)
         metrics.TRAJECTORIES_QUEUED.inc(queued)
