@@ -360,8 +360,9 @@ def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     """max_staleness 0, one group per step: group k starts only once the policy version is >= k. While held
-    back the pool asks the router itself (``VersionWatch.refresh``): no background watch runs here, so the
-    next group starts only because the pool saw the new version on its own."""
+    back the pool asks the router itself (``VersionWatch.wait_newer``, without a broadcaster: every 50 ms):
+    no background watch runs here, so the next group starts only because the pool saw the new version on
+    its own."""
     cfg = settings(tmp_path, router, redis_server.url, group_size=2, groups_in_flight=4, groups_per_step=1)
     cfg = cfg.model_copy(update={"max_staleness": 0})
     env = load_agent(cfg.agent)
@@ -380,7 +381,7 @@ def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
         base = await watch.refresh()  # groups 0..base may start now; group base + 1 needs version base + 1
         runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
         queue = TrajectoryQueue(redis_client, RUN)
-        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.refresh)
+        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
         pool.start(max_groups=base + 3)
         await started_groups(pool, base + 1, 60)
         await asyncio.sleep(1.0)
@@ -421,7 +422,7 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
         queue = TrajectoryQueue(redis_client, RUN)
 
-        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.refresh)
+        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
         pool.start(max_groups=base + 4)
         await started_groups(pool, base + 1, 60)
         await asyncio.sleep(1.0)
@@ -435,7 +436,7 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         dropping = cfg.model_copy(
             update={"filter": cfg.filter.model_copy(update={"enabled": True, "low": 1.0, "high": 2.0})}
         )
-        pool = RolloutPool(dropping, runner, PromptSource(cfg.prompts_path), queue, watch, watch.refresh)
+        pool = RolloutPool(dropping, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
         pool.start(max_groups=base + 4)
         await started_groups(pool, base + 4, 120)  # each filtered group lets the next one start
         await pool.wait_idle()

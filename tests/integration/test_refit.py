@@ -25,6 +25,8 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
+from molt.agent_pool.router_client import RouterClient
+from molt.agent_pool.service import VersionWatch
 from molt.core.config import RunSettings
 from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port
 from molt.core.tiny_model import build
@@ -281,6 +283,34 @@ def test_an_overlapped_refit_sends_the_weights_of_its_step(stack: dict[str, Any]
     assert report is not None and report.coverage_ok and report.checksums_ok
     assert report.probe_max_abs_logprob_diff < 1e-3
     assert set(asyncio.run(sample(stack["router"], seed=14)).policy_versions) == {14}
+    publisher.close()
+
+
+def test_the_agent_pools_version_watch_follows_the_broadcaster(stack: dict[str, Any]) -> None:
+    """The agent-pool's VersionWatch, given the broadcaster's address, hears a refit's new version on
+    WatchPolicyVersion; its router client points where no router listens, so only the stream can tell."""
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state, probe = gather_for_refit(load(stack["model_b"]), publisher.probe)
+
+    async def main() -> tuple[int, int, bool]:
+        watch = VersionWatch(RouterClient(f"127.0.0.1:{free_port()}", timeout_s=1))
+        follower = asyncio.create_task(watch.follow(stack["broadcaster"]))
+        for _ in range(600):
+            if watch.streaming:
+                break
+            await asyncio.sleep(0.05)
+        before = watch.version  # the stream's first message: the version published so far
+        response = await asyncio.to_thread(publisher.publish, 15, state, probe)
+        for _ in range(600):
+            if watch.version == response.policy_version.version:
+                break
+            await asyncio.sleep(0.05)
+        follower.cancel()
+        await watch.router.close()
+        return before, watch.version, watch.streaming
+
+    before, after, streaming = asyncio.run(main())
+    assert streaming and before >= 14 and after == 15
     publisher.close()
 
 

@@ -185,7 +185,9 @@ def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str 
     router = connect_address(recipe.router.listen)
     tables["agent_pool"]["router_address"] = router
     tables["broadcaster"]["router_address"] = router
-    tables["learner"]["broadcaster_address"] = connect_address(recipe.broadcaster.listen)
+    broadcaster = connect_address(recipe.broadcaster.listen)
+    tables["learner"]["broadcaster_address"] = broadcaster
+    tables["agent_pool"]["broadcaster_address"] = broadcaster
     sft_output = recipe.sft_output(run_dir)
     if sft_output is not None:
         tables["router"].setdefault("engine", {})["model_path"] = str(sft_output)

@@ -51,6 +51,11 @@ class AgentPoolSettings(ServiceSettings):
     http_listen: str = Field("127.0.0.1:8000", description="OpenAI/Anthropic HTTP front host:port.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     router_address: str = Field("127.0.0.1:50051", description="RolloutService address host:port.")
+    broadcaster_address: str = Field(
+        "",
+        description="WeightService address host:port: a pool held back by staleness hears of each new policy "
+        "version at once (WatchPolicyVersion) instead of asking the router every 50 ms. Empty: the router alone.",
+    )
     agent: str = Field(description="The agent: 'package.module:Class' or 'path/to/file.py:Class'.")
     prompts_path: Path = Field(description="JSONL prompt dataset, one object per line.")
     group_size: int = Field(8, ge=1, description="Samples (episodes) per prompt, n.")

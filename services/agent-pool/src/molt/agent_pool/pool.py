@@ -102,14 +102,14 @@ class RolloutPool:
         prompts: PromptSource,
         queue: TrajectoryQueue,
         policy_version: Callable[[], int],
-        refresh_version: Callable[[], Awaitable[int]] | None = None,
+        wait_version: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.settings = settings
         self.runner = runner
         self.prompts = prompts
         self.queue = queue
         self.policy_version = policy_version
-        self.refresh_version = refresh_version  # asks the router now: used while held back
+        self.wait_version = wait_version  # waits a little for news of the version: used while held back
         self.stats = PoolStats()
         self.episodes = asyncio.Semaphore(settings.max_concurrent_episodes)
         self.groups: set[asyncio.Task[None]] = set()
@@ -172,11 +172,12 @@ class RolloutPool:
                 )
             self.stats.backpressured = True
             metrics.BACKPRESSURED.set(1)
-            # Held back, the engines may idle: ask for the version often (the background watch polls once a
-            # second, which on a fast loop left every new version unused for half a second on average).
-            await asyncio.sleep(VERSION_POLL_S)
-            if self.refresh_version is not None:
-                await self.refresh_version()
+            # Held back, the engines may idle: learn of a new version at once (a background poll once a
+            # second left every new version unused for half a second on average on a fast loop).
+            if self.wait_version is not None:
+                await self.wait_version()
+            else:
+                await asyncio.sleep(VERSION_POLL_S)
             if (skipped := await self._learner_skipped()) is not None:
                 self.stats.learner_skipped_groups = skipped - skipped_before
         self.stats.backpressured = False

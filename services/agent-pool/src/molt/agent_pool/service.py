@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 
+import grpc
 import redis
 import uvicorn
 from transformers import AutoTokenizer
@@ -16,40 +17,95 @@ from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode, TurnLimits, run_chat_episode, run_env_episode
 from molt.agent_pool.evaluation import Evaluator
 from molt.agent_pool.front import ChatFront
-from molt.agent_pool.pool import EpisodeRunner, PromptSource, RolloutPool
+from molt.agent_pool.pool import VERSION_POLL_S, EpisodeRunner, PromptSource, RolloutPool
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.server import AgentPoolServicer
 from molt.agent_pool.transcript import Transcript
 from molt.core.errors import Unavailable
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import Registration, ServiceHost
-from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc
+from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 class VersionWatch:
-    """The router's current policy version, polled once a second (the pool paces on it, and asks with
-    ``refresh`` more often while it is held back)."""
+    """The policy version the engines sample with, as the pool paces on it.
+
+    The router is asked once a second (``run``). With the weight-broadcaster's address, ``follow``
+    also listens to its WatchPolicyVersion stream, which announces each validated version just
+    before the router resumes generation: a pool held back by staleness then starts its next groups
+    at once (their requests wait at the router until the resume releases them together) instead of
+    on its next question to the router. Versions only go up within a run (the broadcaster refuses
+    an older learner step), so the watch keeps the highest it has heard of.
+    """
 
     def __init__(self, router: RouterClient) -> None:
         self.router = router
         self.version = 0
-        self.task: asyncio.Task[None] | None = None
+        self.streaming = False  # the broadcaster's stream is up: news arrives without asking
+        self.tasks: list[asyncio.Task[None]] = []
+        self._newer = asyncio.Event()
+
+    def _heard(self, version: int) -> None:
+        if version > self.version:
+            self.version = version
+            metrics.POLICY_VERSION.set(version)
+            self._newer.set()
+            self._newer = asyncio.Event()
 
     async def refresh(self) -> int:
         """Asks the router now; keeps the last known version when it cannot be reached."""
         try:
-            self.version = (await self.router.info()).policy_version
-            metrics.POLICY_VERSION.set(self.version)
+            self._heard((await self.router.info()).policy_version)
         except Unavailable as exc:
             log.error("cannot reach the rollout-router", extra={"error": exc.message})
         return self.version
+
+    async def wait_newer(self) -> None:
+        """Waits a little for a newer version: on the broadcaster's stream when it is up (up to a
+        second, then the router is asked too), else ``VERSION_POLL_S`` and a question to the router."""
+        if self.streaming:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._newer.wait(), 1.0)
+                return
+        else:
+            await asyncio.sleep(VERSION_POLL_S)
+        await self.refresh()
 
     async def run(self) -> None:
         while True:
             await self.refresh()
             await asyncio.sleep(1.0)
+
+    async def follow(self, address: str) -> None:
+        """Listens to the broadcaster's WatchPolicyVersion; reconnects every second while it is away."""
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = weights_pb2_grpc.WeightServiceStub(channel)
+                    async for message in stub.WatchPolicyVersion(weights_pb2.WatchPolicyVersionRequest()):
+                        if not self.streaming:
+                            log.info("following the weight-broadcaster's policy versions", extra={"address": address})
+                        self.streaming = True
+                        self._heard(message.policy_version.version)
+            except grpc.aio.AioRpcError as exc:
+                if self.streaming:
+                    log.warning(
+                        "lost the weight-broadcaster's version stream; asking the router meanwhile",
+                        extra={"address": address, "code": exc.code().name},
+                    )
+            self.streaming = False
+            await asyncio.sleep(1.0)
+
+    def start(self, broadcaster_address: str = "") -> None:
+        self.tasks.append(asyncio.create_task(self.run()))
+        if broadcaster_address:
+            self.tasks.append(asyncio.create_task(self.follow(broadcaster_address)))
+
+    def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
     def __call__(self) -> int:
         return self.version
@@ -105,9 +161,9 @@ async def serve(settings: AgentPoolSettings) -> None:
     )
     watch = VersionWatch(router)
     watch.version = info.policy_version
-    watch.task = asyncio.create_task(watch.run())
+    watch.start(settings.broadcaster_address)
     pool = RolloutPool(
-        settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch, watch.refresh
+        settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch, watch.wait_newer
     )
     evaluator = None
     if settings.eval.enabled:
@@ -142,8 +198,7 @@ async def serve(settings: AgentPoolSettings) -> None:
         if evaluator is not None:
             await watch.refresh()
             await evaluator.close(final=True)  # the latest policy version gets its evaluation
-        if watch.task is not None:
-            watch.task.cancel()
+        watch.stop()
         server.should_exit = True
         await front_task
         await front.aclose()
