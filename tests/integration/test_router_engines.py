@@ -7,7 +7,11 @@ neither molt's metrics nor its engine processes, so these tests do not apply to 
 from __future__ import annotations
 
 import asyncio
+import json
+import pickle
 import re
+import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from molt.router.engine import frame
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.integration]
@@ -32,9 +37,9 @@ def router_metrics(metrics_url: str) -> dict[str, float]:
     return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def test_requests_released_together_reach_the_engine_in_one_ray_call(own_router: Any) -> None:
+def test_requests_released_together_reach_the_engine_in_one_message(own_router: Any) -> None:
     """Requests that arrive during a pause wait at admission; the resume releases them in one pass of
-    the router's loop, so they reach the engine in one Ray call."""
+    the router's loop, so they reach the engine in one message of its data channel."""
     before = router_metrics(own_router.metrics_url)
 
     async def held_then_released() -> list[rollout_pb2.GenerateResponse]:
@@ -82,3 +87,47 @@ def test_cpu_engine_processes_sleep_instead_of_spinning(own_router: Any) -> None
         and (match := re.search(r"\((EngineCore|VllmWorker)\S* pid=\d+\)", line))
     }
     assert applied == {"EngineCore", "VllmWorker"}, f"the plugin acted in {applied}; the log ends with:\n{log[-3000:]}"
+
+
+def data_channels(log_path: Path) -> dict[str, str]:
+    """Each engine's data-channel address, from the router's "engines ready" log line."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"engines ready"' in line:
+            return dict(json.loads(line[line.index("{") :])["data_channels"])
+    raise AssertionError("the router logged no 'engines ready' line")
+
+
+def test_a_data_channel_connection_without_the_secret_is_closed(own_router: Any) -> None:
+    """The engine's data channel takes pickled frames only after the secret the router got over Ray:
+    a stranger's frame (here: a pickle) is refused before it is unpickled, the connection closed,
+    and the router goes on serving."""
+    host, port = data_channels(own_router.log_path)["engine-0"].rsplit(":", 1)
+
+    async def stranger() -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(frame(pickle.dumps([("abort", "x")])))
+        await writer.drain()
+        rest = await asyncio.wait_for(reader.read(), 30)  # b"" once the engine closed the connection
+        writer.close()
+        return rest
+
+    assert asyncio.run(stranger()) == b""
+    for _ in range(200):  # the engine actor's log reaches the router's through Ray, a little later
+        if "closed a connection that lacked the secret" in own_router.log_path.read_text(errors="replace"):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the engine did not log the refused connection")
+
+    async def one_request() -> rollout_pb2.GenerateResponse:
+        async with grpc.aio.insecure_channel(own_router.address) as channel:
+            return await rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+                rollout_pb2.GenerateRequest(
+                    request_id="after-the-stranger",
+                    prompt_token_ids=[258, 84, 82, 17],
+                    sampling_params=common_pb2.SamplingParams(max_tokens=4, seed=1),
+                ),
+                timeout=60,
+            )
+
+    assert len(asyncio.run(one_request()).completions[0].token_ids) > 0

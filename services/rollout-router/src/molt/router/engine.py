@@ -10,17 +10,26 @@ tokens sampled before a pause and after it; such an output leaves as one chunk
 per version. Logprobs are vLLM's *processed* logprobs (after temperature), the
 quantity the learner recomputes.
 
-Outputs of all requests leave the actor through one long-poll call,
-``next_outputs``, which returns everything produced since the previous call:
-one Ray round trip per batch instead of one per request and engine step.
+Requests, aborts and outputs travel over the engine's *data channel*, a TCP
+connection from the router to the actor (``channel`` opens it and tells the
+router where, with a secret the router must send first): length-prefixed
+pickled frames, each carrying everything one side gathered in one pass of its
+event loop. Ray carries the control calls (start, pause, resume, probe, the
+weight refit). A Ray actor call (submit, then a long poll for outputs) cost
+~2.3 ms of CPU and 2.3 ms of wall time per round trip for a batch of 32 on 2
+cores, the socket ~0.14 ms of both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import os
+import pickle
+import secrets
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,12 +109,38 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Failure:
-    """A request the engine could not serve; ends its stream with this message."""
+    """A request the engine could not serve (``refused``: would not start); ends its stream with this message."""
 
     message: str
+    refused: bool = False
 
 
 Output = tuple[str, Chunk | Failure]  # (request_id, what it produced)
+Operation = tuple[Literal["submit"], Submission] | tuple[Literal["abort"], str]  # router -> engine, in order
+
+FRAME_HEADER = struct.Struct("!I")
+MAX_FRAME_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where an engine's data channel listens, and the secret a connection must send first."""
+
+    host: str
+    port: int
+    token: bytes
+
+
+def frame(payload: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's payload; raises ``asyncio.IncompleteReadError`` at the end of the stream."""
+    (size,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise ConnectionError(f"a frame of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return await reader.readexactly(size)
 
 
 class EngineActor:
@@ -117,7 +152,11 @@ class EngineActor:
         self.llm: Any = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.outbox: list[Output] = []
-        self.ready = asyncio.Event()
+        self.ready = asyncio.Event()  # the outbox has something and a router is connected
+        self.address: ChannelAddress | None = None
+        self.server: asyncio.Server | None = None
+        self.writer: asyncio.StreamWriter | None = None  # the connected router's end of the channel
+        self.flusher: asyncio.Task[None] | None = None
         self.stall_watch: StallWatch | None = None
 
     async def start(self) -> EngineInfo:
@@ -148,29 +187,73 @@ class EngineActor:
         config = self.llm.model_config
         return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
 
-    async def submit(self, submissions: list[Submission]) -> list[str | None]:
-        """Starts requests (the router sends all it has at once: one Ray call for a burst); their chunks
-        come out of ``next_outputs``. Returns, per request, None or why it was refused."""
-        refusals: list[str | None] = []
-        for s in submissions:
-            if s.request_id in self.tasks:
-                refusals.append(f"request {s.request_id!r} is already running on {self.spec.engine_id}")
-                continue
-            run = self._run(s.request_id, s.prompt_token_ids, s.sampling, s.final_only)
-            self.tasks[s.request_id] = asyncio.create_task(run)
-            refusals.append(None)
-        return refusals
+    async def channel(self) -> ChannelAddress:
+        """Opens the data channel (once) on this node's address and returns where it listens. A router
+        that connects replaces an earlier one (a restarted router attaching to a detached engine)."""
+        if self.address is None:
+            import ray
 
-    async def next_outputs(self) -> list[Output]:
-        """Waits for output, then returns everything produced since the last call (oldest first)."""
-        await self.ready.wait()
-        outputs, self.outbox = self.outbox, []
-        self.ready.clear()
-        return outputs
+            host = ray.util.get_node_ip_address()
+            self.server = await asyncio.start_server(self._serve, host, 0)
+            self.address = ChannelAddress(host, self.server.sockets[0].getsockname()[1], secrets.token_bytes(32))
+            self.flusher = asyncio.create_task(self._flush())
+        return self.address
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.address is not None
+        try:
+            if not hmac.compare_digest(await read_frame(reader), self.address.token):
+                peer = str(writer.get_extra_info("peername"))
+                log.warning("data channel: closed a connection that lacked the secret", extra={"peer": peer})
+                return
+            if self.writer is not None:
+                self.writer.close()
+            self.writer = writer
+            if self.outbox:
+                self.ready.set()
+            while True:
+                operations: list[Operation] = pickle.loads(await read_frame(reader))
+                for operation in operations:
+                    if operation[0] == "submit":
+                        self._start(operation[1])
+                    else:
+                        await self.llm.abort(operation[1])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the router went away; its requests end with their aborts
+        except Exception:
+            log.exception("data channel: a frame the engine could not take; the connection is closed")
+        finally:
+            if self.writer is writer:
+                self.writer = None
+            writer.close()
+
+    def _start(self, s: Submission) -> None:
+        if s.request_id in self.tasks:
+            message = f"request {s.request_id!r} is already running on {self.spec.engine_id}"
+            self._emit((s.request_id, Failure(message, refused=True)))
+            return
+        run = self._run(s.request_id, s.prompt_token_ids, s.sampling, s.final_only)
+        self.tasks[s.request_id] = asyncio.create_task(run)
+
+    async def _flush(self) -> None:
+        """Sends the outbox to the connected router, everything produced since the last send in one frame."""
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            writer = self.writer
+            if writer is None or not self.outbox:
+                continue  # kept until a router connects
+            outputs, self.outbox = self.outbox, []
+            try:
+                writer.write(frame(pickle.dumps(outputs, protocol=pickle.HIGHEST_PROTOCOL)))
+                await writer.drain()
+            except ConnectionError:
+                pass  # that router is gone, and with it whoever waited for these outputs
 
     def _emit(self, output: Output) -> None:
         self.outbox.append(output)
-        self.ready.set()
+        if self.writer is not None:
+            self.ready.set()
 
     async def _run(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool) -> None:
         try:
@@ -278,9 +361,6 @@ class EngineActor:
             )
         return chunks
 
-    async def abort(self, request_id: str) -> None:
-        await self.llm.abort(request_id)
-
     async def pause(self, mode: Literal["wait", "keep"], clear_cache: bool = True) -> None:
         """Stops scheduling; ``keep`` suspends in-flight requests, ``wait`` lets them finish first.
 
@@ -332,6 +412,12 @@ class EngineActor:
         return list(await self.llm.collective_rpc(method, args=args))
 
     async def shutdown(self) -> None:
+        if self.flusher is not None:
+            self.flusher.cancel()
+        if self.server is not None:
+            self.server.close()
+        if self.writer is not None:
+            self.writer.close()
         if self.stall_watch is not None:
             self.stall_watch.stop()
             self.stall_watch = None

@@ -3,18 +3,20 @@
 ``EnginePool`` starts one ``EngineActor`` per configured engine (or attaches to
 a running one of the same name), routes each request (``routing.pick_engine``),
 and gates admission while paused: requests arriving during a pause wait (up to
-``pause.paused_wait_timeout_s``) instead of failing. One pump task per engine
-long-polls ``next_outputs`` and hands each chunk to its request's queue; on the
-way in, the requests that arrive in one pass of the event loop reach their engine
-in one Ray call (a burst of 64 separate calls took 20-37 ms to arrive here).
+``pause.paused_wait_timeout_s``) instead of failing. Requests and aborts go to an
+engine over its data channel (``molt.router.engine``), everything one pass of the
+event loop gathered in one frame and in order (so an abort never overtakes its
+request); one pump task per engine reads the channel and hands each chunk to its
+request's queue. Ray carries only the control calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,7 +34,11 @@ from molt.router.engine import (
     EngineInfo,
     EngineSpec,
     Failure,
+    Operation,
+    Output,
     Submission,
+    frame,
+    read_frame,
 )
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
@@ -46,15 +52,6 @@ class InFlight:
 
     engine_id: str
     load: int  # prompt + max generated tokens: the work it may still cost the engine
-    delivered: asyncio.Event | None = None  # its submission's batch: set once the engine has it
-
-
-@dataclass
-class Outgoing:
-    """Requests gathered for one Ray call to an engine."""
-
-    items: list[tuple[Submission, asyncio.Future[None]]]  # each with its caller's future
-    delivered: asyncio.Event  # set once the call returned (or failed)
 
 
 class EnginePool:
@@ -68,8 +65,9 @@ class EnginePool:
         self.in_flight: dict[str, InFlight] = {}
         self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
         self.pumps: list[asyncio.Task[None]] = []
-        self.outgoing: dict[str, Outgoing] = {}  # per engine: the batch being gathered
-        self.background: set[asyncio.Task[None]] = set()  # batch sends and aborts in flight
+        self.links: dict[str, asyncio.StreamWriter] = {}  # per engine: the router's end of its data channel
+        self.lost: set[str] = set()  # engines whose channel closed (the engine died)
+        self.outgoing: dict[str, list[Operation]] = {}  # per engine: what this pass of the loop gathered
         self.policy_version = 0
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
@@ -109,10 +107,22 @@ class EnginePool:
         limits = {(i.vocab_size, i.max_model_len) for i in infos}
         if len(limits) != 1:
             raise ConfigError(f"engines serve different models (vocab size, context): {sorted(limits)}")
+        addresses = await asyncio.gather(*(actor.channel.remote() for actor in self.actors.values()))
+        for engine_id, address in zip(self.actors, addresses, strict=True):
+            try:
+                reader, writer = await asyncio.open_connection(address.host, address.port)
+            except OSError as exc:
+                raise Unavailable(
+                    f"cannot reach the data channel of {engine_id} at {address.host}:{address.port}: {exc}",
+                    reason="ENGINE_UNAVAILABLE",
+                ) from exc
+            writer.write(frame(address.token))
+            self.links[engine_id] = writer
+            self.pumps.append(asyncio.create_task(self._pump(engine_id, reader)))
         metrics.ENGINES_UP.set(len(infos))
-        self.pumps = [asyncio.create_task(self._pump(engine_id)) for engine_id in self.actors]
         vocab_size, max_model_len = limits.pop()
-        log.info("engines ready", extra={"engines": list(self.infos), "gpu": use_gpu})
+        channels = {engine_id: f"{a.host}:{a.port}" for engine_id, a in zip(self.actors, addresses, strict=True)}
+        log.info("engines ready", extra={"engines": list(self.infos), "gpu": use_gpu, "data_channels": channels})
         return ModelLimits(vocab_size, max_model_len)
 
     def _actor(self, engine_id: str, use_gpu: bool) -> Any:
@@ -162,8 +172,10 @@ class EnginePool:
 
     async def shutdown(self) -> None:
         """Stops the engines unless they are detached (then a later router attaches to them)."""
-        for task in [*self.pumps, *self.background]:
+        for task in self.pumps:
             task.cancel()
+        for writer in self.links.values():
+            writer.close()
         if self.settings.engine.detached:
             return
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors.values()), return_exceptions=True)
@@ -173,17 +185,18 @@ class EnginePool:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def _pump(self, engine_id: str) -> None:
-        """Moves an engine's outputs to the requests' queues until the engine dies or shutdown."""
-        actor = self.actors[engine_id]
+    async def _pump(self, engine_id: str, reader: asyncio.StreamReader) -> None:
+        """Moves an engine's outputs to the requests' queues until its channel closes (the engine died)."""
         try:
             while True:
-                for request_id, item in await actor.next_outputs.remote():
+                outputs: list[Output] = pickle.loads(await read_frame(reader))
+                for request_id, item in outputs:
                     queue = self.queues.get(request_id)
                     if queue is not None:  # else the caller has left; its abort is on the way
                         queue.put_nowait(item)
-        except ray.exceptions.RayActorError:
-            log.error("engine died", extra={"engine": engine_id})
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            log.error("engine died: its data channel closed", extra={"engine": engine_id, "error": repr(exc)})
+            self.lost.add(engine_id)
             metrics.ENGINES_UP.dec()
             for request_id, flight in self.in_flight.items():
                 if flight.engine_id == engine_id:
@@ -206,20 +219,29 @@ class EnginePool:
         engine_id = pick_engine(list(self.actors), session_id, load)
         queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
         self.queues[request_id] = queue
-        flight = self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
+        self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
         self._idle.clear()
         metrics.REQUESTS_IN_FLIGHT.inc()
-        started, outcome, finished = time.monotonic(), "aborted", 0
+        started, outcome, finished, refused = time.monotonic(), "aborted", 0, False
         try:
-            await self._submit(
-                flight,
-                Submission(
-                    request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling, final_only=final_only
+            self._enqueue(
+                engine_id,
+                (
+                    "submit",
+                    Submission(
+                        request_id=request_id,
+                        prompt_token_ids=prompt_token_ids,
+                        sampling=sampling,
+                        final_only=final_only,
+                    ),
                 ),
             )
             while finished < sampling.sample_count:
                 item = await queue.get()
                 if isinstance(item, Failure):
+                    if item.refused:
+                        refused = True
+                        raise InvalidInput(item.message, reason="DUPLICATE_REQUEST_ID")
                     outcome = "error"
                     raise Unavailable(f"{engine_id} failed {request_id}: {item.message}", reason="ENGINE_FAILED")
                 if finished == 0 and item.token_ids:
@@ -228,12 +250,9 @@ class EnginePool:
                 finished += item.finish_reason is not None
                 yield engine_id, item
             outcome = "ok"
-        except ray.exceptions.RayActorError as exc:
-            outcome = "error"
-            raise Unavailable(f"{engine_id} died while serving {request_id}", reason="ENGINE_UNAVAILABLE") from exc
         finally:
-            if finished < sampling.sample_count:  # the caller is gone or failed
-                self._in_background(self._abort_in_engine(flight, request_id))
+            if finished < sampling.sample_count and not refused:  # the caller is gone or failed
+                self._enqueue(engine_id, ("abort", request_id))
             del self.in_flight[request_id], self.queues[request_id]
             if not self.in_flight:
                 self._idle.set()
@@ -241,62 +260,31 @@ class EnginePool:
             metrics.REQUESTS.labels(outcome).inc()
             metrics.REQUEST_SECONDS.observe(time.monotonic() - started)
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self.background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task[None]) -> None:
-        self.background.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # e.g. an abort sent to a dead engine
-            log.warning("engine call in the background failed", extra={"error": repr(task.exception())})
-
     def _refuse_duplicate(self, request_id: str) -> None:
         if request_id in self.in_flight:
             raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
 
-    async def _submit(self, flight: InFlight, submission: Submission) -> None:
-        """Hands a request to its engine, together with the others submitted in this pass of the loop."""
-        batch = self.outgoing.get(flight.engine_id)
-        if batch is None:
-            batch = self.outgoing[flight.engine_id] = Outgoing([], asyncio.Event())
-            self._in_background(self._send(flight.engine_id))  # runs once this pass's other handlers added theirs
-        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        batch.items.append((submission, sent))
-        flight.delivered = batch.delivered
-        await sent
+    def _enqueue(self, engine_id: str, operation: Operation) -> None:
+        """Queues a submission or an abort for ``engine_id``; what this pass of the event loop gathers
+        goes out together, in order, once the pass is over."""
+        operations = self.outgoing.get(engine_id)
+        if operations is None:
+            operations = self.outgoing[engine_id] = []
+            asyncio.get_running_loop().call_soon(self._send, engine_id)
+        operations.append(operation)
 
-    async def _send(self, engine_id: str) -> None:
-        """Sends ``engine_id``'s gathered batch in one Ray call and tells each caller how it went."""
-        batch = self.outgoing.pop(engine_id)
-        try:
-            live = [(s, sent) for s, sent in batch.items if not sent.cancelled()]  # callers that left: not sent
-            if not live:
-                return
-            metrics.SUBMIT_BATCH.observe(len(live))
-            refusals = await self.actors[engine_id].submit.remote([s for s, _ in live])
-            for (_, sent), refusal in zip(live, refusals, strict=True):
-                if sent.done():
-                    continue
-                if refusal is None:
-                    sent.set_result(None)
-                else:
-                    sent.set_exception(InvalidInput(refusal, reason="DUPLICATE_REQUEST_ID"))
-        except BaseException as exc:  # the engine died (RayActorError), or shutdown cancelled the send
-            for _, sent in batch.items:
-                if not sent.done():
-                    sent.set_exception(exc if isinstance(exc, Exception) else Unavailable("router shutting down"))
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            batch.delivered.set()
-
-    async def _abort_in_engine(self, flight: InFlight, request_id: str) -> None:
-        """Aborts the request in its engine once its submission got there (an abort that overtook the
-        submission would find nothing to abort, and the request would then run to its end)."""
-        if flight.delivered is not None:
-            await flight.delivered.wait()
-        await self.actors[flight.engine_id].abort.remote(request_id)
+    def _send(self, engine_id: str) -> None:
+        operations = self.outgoing.pop(engine_id)
+        writer = self.links.get(engine_id)
+        if engine_id in self.lost or writer is None or writer.is_closing():
+            for operation in operations:
+                if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
+                    queue.put_nowait(Failure(f"{engine_id} is gone"))
+            return
+        submissions = sum(operation[0] == "submit" for operation in operations)
+        if submissions:
+            metrics.SUBMIT_BATCH.observe(submissions)
+        writer.write(frame(pickle.dumps(operations, protocol=pickle.HIGHEST_PROTOCOL)))
 
     async def _admit(self) -> None:
         if self._open.is_set():
@@ -319,7 +307,7 @@ class EnginePool:
         flight = self.in_flight.get(request_id)
         if flight is None:
             return False
-        await self._abort_in_engine(flight, request_id)
+        self._enqueue(flight.engine_id, ("abort", request_id))
         return True
 
     # -- pause / resume --------------------------------------------------------------------
