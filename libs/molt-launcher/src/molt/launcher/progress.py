@@ -138,7 +138,12 @@ def status_line(snap: Snapshot, elapsed_s: float) -> str:
     ]
     if snap.last_eval is not None:
         parts.append(f"eval {snap.last_eval['mean_reward']:.3f}@v{snap.last_eval['policy_version']}")
-    alerts = [f"{name} not answering" for name in snap.unreachable]
+    # The engines serve the last step's weights: a learner that stops answering now is finishing (final
+    # checkpoint, exit), not in trouble.
+    done = bool(snap.max_steps) and snap.router_version is not None and snap.router_version >= snap.max_steps
+    if done and "learner" in snap.unreachable:
+        parts.append("learner finishing")
+    alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
     if snap.paused:
         alerts.append("router paused (refit)")
     if snap.failed_episodes:
