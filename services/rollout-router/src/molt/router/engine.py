@@ -135,11 +135,11 @@ def frame(payload: bytes) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
     """The next frame's payload; raises ``asyncio.IncompleteReadError`` at the end of the stream."""
     (size,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-    if size > MAX_FRAME_BYTES:
-        raise ConnectionError(f"a frame of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
+    if size > max_bytes:
+        raise ConnectionError(f"a frame of {size} bytes is over the limit of {max_bytes}")
     return await reader.readexactly(size)
 
 
@@ -202,7 +202,8 @@ class EngineActor:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.address is not None
         try:
-            if not hmac.compare_digest(await read_frame(reader), self.address.token):
+            secret = await read_frame(reader, max_bytes=len(self.address.token))  # nothing big before it
+            if not hmac.compare_digest(secret, self.address.token):
                 peer = str(writer.get_extra_info("peername"))
                 log.warning("data channel: closed a connection that lacked the secret", extra={"peer": peer})
                 return
@@ -218,8 +219,9 @@ class EngineActor:
                         self._start(operation[1])
                     else:
                         await self.llm.abort(operation[1])
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the router went away; its requests end with their aborts
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            if self.writer is not writer:  # it never sent the secret (or sent too much before it)
+                log.warning("data channel: closed a connection that lacked the secret", extra={"error": repr(exc)})
         except Exception:
             log.exception("data channel: a frame the engine could not take; the connection is closed")
         finally:

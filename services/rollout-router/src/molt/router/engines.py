@@ -216,7 +216,8 @@ class EnginePool:
         await self._admit()
         self._refuse_duplicate(request_id)  # one with the same id may have been admitted while this one waited
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
-        engine_id = pick_engine(list(self.actors), session_id, load)
+        live = [engine_id for engine_id in self.actors if engine_id not in self.lost]
+        engine_id = pick_engine(live or list(self.actors), session_id, load)  # none live: it fails at once
         queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
         self.queues[request_id] = queue
         self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
