@@ -427,7 +427,7 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         await started_groups(pool, base + 1, 60)
         await asyncio.sleep(1.0)
         assert pool.stats.started_groups == base + 1 and pool.stats.backpressured
-        await asyncio.to_thread(queue.skip, 1)  # what the learner does for a group it could not train on
+        await asyncio.to_thread(queue.skip, [f"skipped-{time.time_ns()}"])  # as the learner does for a group
         await started_groups(pool, base + 2, 30)
         await asyncio.sleep(1.0)
         assert pool.stats.started_groups == base + 2 and pool.stats.learner_skipped_groups == 1

@@ -10,6 +10,7 @@ import asyncio
 import json
 import pickle
 import re
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,16 @@ def test_a_data_channel_connection_without_the_secret_is_closed(own_router: Any)
         return rest
 
     assert asyncio.run(stranger()) == b""
+
+    async def boaster() -> bytes:  # a header that claims 1 GiB: closed before anything is read or allocated
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(struct.pack("!I", 1 << 30))
+        await writer.drain()
+        rest = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        return rest
+
+    assert asyncio.run(boaster()) == b""
     for _ in range(200):  # the engine actor's log reaches the router's through Ray, a little later
         if "closed a connection that lacked the secret" in own_router.log_path.read_text(errors="replace"):
             break

@@ -7,7 +7,7 @@ Key schema (see docs/queue.md; any producer in any language can follow it):
 - ``molt:<run>:trajectory-ids`` - set of every trajectory id ever queued (dedupe).
 - ``molt:<run>:trajectories:dead`` - dead letters: fields ``reason``,
   ``entry_id`` and the original ``group`` bytes.
-- ``molt:<run>:groups-skipped`` - counter of groups the consumer settled without
+- ``molt:<run>:groups-skipped`` - set of the entry ids the consumer settled without
   training on them (dead-lettered, or every sample stale or a duplicate): a
   producer that paces itself on the policy version starts that many more.
 
@@ -338,19 +338,20 @@ class TrajectoryQueue:
             pipe.xadd(self.keys.dead_letters, {"reason": reason, "entry_id": entry_id, "group": payload})
             pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(self.keys.stream, entry_id)
-            pipe.incr(self.keys.skipped_groups)
+            pipe.sadd(self.keys.skipped_groups, entry_id)
             pipe.execute()
 
-    def skip(self, count: int) -> None:
-        """Counts ``count`` groups settled without being trained on (see ``skipped``)."""
-        if count > 0:
-            self.client.incrby(self.keys.skipped_groups, count)
+    def skip(self, entry_ids: Sequence[str]) -> None:
+        """Records entries settled without being trained on (see ``skipped``); by id, so an entry
+        read again after a consumer's restart is not counted twice."""
+        if entry_ids:
+            self.client.sadd(self.keys.skipped_groups, *entry_ids)
 
     def skipped(self) -> int:
         """Groups the consumer settled without training on them, since the run began: a producer that
         paces itself by ``groups_per_step`` per policy version must start this many more, or it falls
         behind the consumer for good (each such group moves every later step one group further on)."""
-        return int(self.client.get(self.keys.skipped_groups) or 0)
+        return int(self.client.scard(self.keys.skipped_groups))
 
     def ack(self, entry_ids: Sequence[str]) -> int:
         """Acknowledges and deletes entries (call only after their use is committed); returns how many were pending.

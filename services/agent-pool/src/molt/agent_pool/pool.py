@@ -114,6 +114,7 @@ class RolloutPool:
         self.episodes = asyncio.Semaphore(settings.max_concurrent_episodes)
         self.groups: set[asyncio.Task[None]] = set()
         self.producer: asyncio.Task[None] | None = None
+        self.skipped_before: int | None = None  # the learner's skipped groups when this pool began
 
     @property
     def running(self) -> bool:
@@ -151,10 +152,10 @@ class RolloutPool:
 
     async def _produce(self, max_groups: int) -> None:
         slots = asyncio.Semaphore(self.settings.groups_in_flight)
-        skipped_before = await self._learner_skipped() or 0  # a pool started mid-run counts from here
+        self.skipped_before = await self._learner_skipped()  # a pool started mid-run counts from here
         while max_groups == 0 or self.stats.started_groups < max_groups:
             await slots.acquire()
-            await self._wait_for_learner(skipped_before)
+            await self._wait_for_learner()
             self.stats.started_groups += 1
             task = asyncio.create_task(self._group(self.prompts.next()))
             self.groups.add(task)
@@ -163,7 +164,7 @@ class RolloutPool:
     def _needed_version(self) -> int:
         return self.trainable_index // self.settings.groups_per_step - self.settings.max_staleness
 
-    async def _wait_for_learner(self, skipped_before: int) -> None:
+    async def _wait_for_learner(self) -> None:
         while self.policy_version() < (needed := self._needed_version()):
             if not self.stats.backpressured:
                 log.info(
@@ -179,7 +180,9 @@ class RolloutPool:
             else:
                 await asyncio.sleep(VERSION_POLL_S)
             if (skipped := await self._learner_skipped()) is not None:
-                self.stats.learner_skipped_groups = skipped - skipped_before
+                if self.skipped_before is None:  # Redis could not say at the start
+                    self.skipped_before = skipped
+                self.stats.learner_skipped_groups = skipped - self.skipped_before
         self.stats.backpressured = False
         metrics.BACKPRESSURED.set(0)
 
@@ -194,11 +197,13 @@ class RolloutPool:
     async def _group(self, prompt: Prompt) -> None:
         self.stats.in_flight_groups += 1
         metrics.GROUPS_IN_FLIGHT.inc()
+        queued = False
         try:
             results = await asyncio.gather(*(self._episode(prompt) for _ in range(self.settings.group_size)))
             episodes = [e for e in results if e is not None]
-            await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
+            queued = await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
         finally:
+            self.stats.unqueued_groups += not queued  # filtered, all duplicates, or failed: another starts
             self.stats.in_flight_groups -= 1
             metrics.GROUPS_IN_FLIGHT.dec()
 
@@ -222,28 +227,28 @@ class RolloutPool:
         return episode
 
     def _filtered(self, reason: str, prompt: Prompt) -> None:
-        self.stats.unqueued_groups += 1
         self.stats.filtered_groups[reason] += 1
         metrics.GROUPS_FILTERED.labels(reason).inc()
         log.info("group not queued", extra={"reason": reason, "prompt_id": prompt.get("id")})
 
-    async def _queue_group(self, prompt: Prompt, episodes: list[Episode], failed: int) -> None:
+    async def _queue_group(self, prompt: Prompt, episodes: list[Episode], failed: int) -> bool:
+        """Queues the group unless it is filtered; True when an entry was written."""
         if not episodes:
             self._filtered("no_episodes", prompt)
-            return
+            return False
         band = self.settings.filter
         mean = sum(e.reward for e in episodes) / len(episodes)
         if band.enabled and not band.low < mean < band.high:
             self._filtered("all_fail" if mean <= band.low else "all_pass", prompt)
-            return
+            return False
         group = build_group(self.settings.run.run_id, str(prompt["id"]), episodes, self.settings, failed)
         result = await asyncio.to_thread(self.queue.put, group)  # blocks while the queue is full
         queued = len(group.trajectories) - len(result.duplicate_ids)
         self.stats.queued_groups += result.entry_id is not None
-        self.stats.unqueued_groups += result.entry_id is None
         self.stats.queued_trajectories += queued
         metrics.GROUPS_QUEUED.inc(result.entry_id is not None)
         metrics.TRAJECTORIES_QUEUED.inc(queued)
+        return result.entry_id is not None
 
 
 async def attempt(

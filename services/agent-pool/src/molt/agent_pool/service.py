@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 import redis
@@ -46,6 +47,7 @@ class VersionWatch:
         self.streaming = False  # the broadcaster's stream is up: news arrives without asking
         self.tasks: list[asyncio.Task[None]] = []
         self._newer = asyncio.Event()
+        self._asked = 0.0  # monotonic time of the last question to the router
 
     def _heard(self, version: int) -> None:
         if version > self.version:
@@ -56,6 +58,7 @@ class VersionWatch:
 
     async def refresh(self) -> int:
         """Asks the router now; keeps the last known version when it cannot be reached."""
+        self._asked = time.monotonic()
         try:
             self._heard((await self.router.info()).policy_version)
         except Unavailable as exc:
@@ -63,11 +66,13 @@ class VersionWatch:
         return self.version
 
     async def wait_newer(self) -> None:
-        """Waits a little for a newer version: on the broadcaster's stream when it is up (up to a
-        second, then the router is asked too), else ``VERSION_POLL_S`` and a question to the router."""
+        """Waits up to ``VERSION_POLL_S`` for a newer version: told by the broadcaster's stream when it
+        is up (the router is then asked at most once a second, as a safety net), else asking the router."""
         if self.streaming:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._newer.wait(), 1.0)
+                await asyncio.wait_for(self._newer.wait(), VERSION_POLL_S)
+                return
+            if time.monotonic() - self._asked < 1.0:
                 return
         else:
             await asyncio.sleep(VERSION_POLL_S)
@@ -95,7 +100,10 @@ class VersionWatch:
                         "lost the weight-broadcaster's version stream; asking the router meanwhile",
                         extra={"address": address, "code": exc.code().name},
                     )
-            self.streaming = False
+            except Exception:
+                log.exception("the weight-broadcaster's version stream failed; asking the router meanwhile")
+            finally:
+                self.streaming = False
             await asyncio.sleep(1.0)
 
     def start(self, broadcaster_address: str = "") -> None:

@@ -220,7 +220,7 @@ class LearnerLoop:
                 self.ready.append(ReadyGroup(entry.entry_id, outcome.samples))
             else:
                 self.settled.append(entry.entry_id)
-                self.queue.skip(1)  # the agent-pool starts another in its place (docs/queue.md)
+                self.queue.skip([entry.entry_id])  # the agent-pool starts another in its place (docs/queue.md)
         prom.READY_GROUPS.set(len(self.ready))
 
     def _count_drops(self, dropped: Counter[str]) -> None:
@@ -253,7 +253,7 @@ class LearnerLoop:
         samples = self._trainable(groups)
         if not samples:
             assert self.queue is not None
-            self.queue.skip(len(groups))
+            self.queue.skip([g.entry_id for g in groups])
             return
         batch = assemble(samples)
         self._broadcast(("step", batch))

@@ -120,6 +120,7 @@ Operation = tuple[Literal["submit"], Submission] | tuple[Literal["abort"], str] 
 
 FRAME_HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30
+SECRET_TIMEOUT_S = 10.0  # a connection must send the secret within this
 
 
 @dataclass(frozen=True)
@@ -150,13 +151,14 @@ class EngineActor:
         self.spec = spec
         self.policy_version = policy_version
         self.llm: Any = None
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks: dict[str, tuple[asyncio.Task[None], int]] = {}  # request id -> (its task, its samples)
         self.outbox: list[Output] = []
         self.ready = asyncio.Event()  # the outbox has something and a router is connected
         self.address: ChannelAddress | None = None
         self.server: asyncio.Server | None = None
         self.writer: asyncio.StreamWriter | None = None  # the connected router's end of the channel
         self.flusher: asyncio.Task[None] | None = None
+        self.opening = asyncio.Lock()  # two ``channel`` calls at once open one server
         self.stall_watch: StallWatch | None = None
 
     async def start(self) -> EngineInfo:
@@ -190,24 +192,27 @@ class EngineActor:
     async def channel(self) -> ChannelAddress:
         """Opens the data channel (once) on this node's address and returns where it listens. A router
         that connects replaces an earlier one (a restarted router attaching to a detached engine)."""
-        if self.address is None:
-            import ray
+        async with self.opening:
+            if self.address is None:
+                import ray
 
-            host = ray.util.get_node_ip_address()
-            self.server = await asyncio.start_server(self._serve, host, 0)
-            self.address = ChannelAddress(host, self.server.sockets[0].getsockname()[1], secrets.token_bytes(32))
-            self.flusher = asyncio.create_task(self._flush())
-        return self.address
+                host = ray.util.get_node_ip_address()
+                self.server = await asyncio.start_server(self._serve, host, 0)
+                port = self.server.sockets[0].getsockname()[1]
+                self.address = ChannelAddress(host, port, secrets.token_bytes(32))
+                self.flusher = asyncio.create_task(self._flush())
+            return self.address
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.address is not None
+        authenticated = False
         try:
-            secret = await read_frame(reader, max_bytes=len(self.address.token))  # nothing big before it
+            # Nothing is unpickled, and nothing larger than the secret read, before the secret matched.
+            secret = await asyncio.wait_for(read_frame(reader, max_bytes=len(self.address.token)), SECRET_TIMEOUT_S)
             if not hmac.compare_digest(secret, self.address.token):
-                peer = str(writer.get_extra_info("peername"))
-                log.warning("data channel: closed a connection that lacked the secret", extra={"peer": peer})
-                return
-            if self.writer is not None:
+                raise ConnectionError("wrong secret")
+            authenticated = True
+            if self.writer is not None:  # a newer router replaces the old one
                 self.writer.close()
             self.writer = writer
             if self.outbox:
@@ -218,10 +223,13 @@ class EngineActor:
                     if operation[0] == "submit":
                         self._start(operation[1])
                     else:
-                        await self.llm.abort(operation[1])
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            if self.writer is not writer:  # it never sent the secret (or sent too much before it)
-                log.warning("data channel: closed a connection that lacked the secret", extra={"error": repr(exc)})
+                        await self._abort(operation[1])
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
+            if not authenticated:
+                peer = str(writer.get_extra_info("peername"))
+                log.warning(
+                    "data channel: closed a connection that lacked the secret", extra={"peer": peer, "error": repr(exc)}
+                )
         except Exception:
             log.exception("data channel: a frame the engine could not take; the connection is closed")
         finally:
@@ -229,13 +237,29 @@ class EngineActor:
                 self.writer = None
             writer.close()
 
+    async def _abort(self, request_id: str) -> None:
+        """Aborts a request: through vLLM when vLLM has it (its stream then ends with finish "abort"),
+        else by cancelling its task before it gets there (vLLM ignores an abort of an id it does not
+        know yet, and the request would run to its end), ending each sample with an "abort" chunk."""
+        entry = self.tasks.get(request_id)
+        if entry is None:
+            return
+        task, sample_count = entry
+        if self.llm.output_processor.external_req_ids.get(request_id):
+            await self.llm.abort(request_id)
+            return
+        del self.tasks[request_id]
+        task.cancel()
+        for index in range(sample_count):
+            self._emit((request_id, Chunk(index, [], [], self.policy_version, [], "abort", "")))
+
     def _start(self, s: Submission) -> None:
         if s.request_id in self.tasks:
             message = f"request {s.request_id!r} is already running on {self.spec.engine_id}"
             self._emit((s.request_id, Failure(message, refused=True)))
             return
         run = self._run(s.request_id, s.prompt_token_ids, s.sampling, s.final_only)
-        self.tasks[s.request_id] = asyncio.create_task(run)
+        self.tasks[s.request_id] = (asyncio.create_task(run), s.sampling.sample_count)
 
     async def _flush(self) -> None:
         """Sends the outbox to the connected router, everything produced since the last send in one frame."""
@@ -249,8 +273,11 @@ class EngineActor:
             try:
                 writer.write(frame(pickle.dumps(outputs, protocol=pickle.HIGHEST_PROTOCOL)))
                 await writer.drain()
-            except ConnectionError:
-                pass  # that router is gone, and with it whoever waited for these outputs
+            except OSError:
+                writer.close()  # that router is gone, and with it whoever waited for these outputs
+            except Exception:  # never stop sending for the next router
+                log.exception("data channel: outputs the engine could not send; the connection is closed")
+                writer.close()
 
     def _emit(self, output: Output) -> None:
         self.outbox.append(output)
@@ -265,14 +292,16 @@ class EngineActor:
             log.exception("request failed in the engine", extra={"request_id": request_id})
             self._emit((request_id, Failure(f"{type(exc).__name__}: {exc}")))
         finally:
-            self.tasks.pop(request_id, None)
+            entry = self.tasks.get(request_id)
+            if entry is not None and entry[0] is asyncio.current_task():  # not a newer request of the same id
+                del self.tasks[request_id]
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool = False
     ) -> AsyncIterator[Chunk]:
         """Streams the request's samples as chunks; aborting the request ends the stream. With
         ``final_only`` vLLM hands out each sample once, finished (no output per ``stream_interval``
-        tokens to carry through the actor, Ray and the router: what a unary call needs)."""
+        tokens to carry through the actor, the data channel and the router: what a unary call needs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 
 log = logging.getLogger(__name__)
+
+
+def keep_alive(writer: asyncio.StreamWriter, idle_s: int = 10, interval_s: int = 5, probes: int = 3) -> None:
+    """TCP keep-alive on a data channel: an engine whose node vanished without closing the connection
+    is noticed after ``idle_s + interval_s * probes`` seconds of silence (Linux options where present)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", probes)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 @dataclass
@@ -116,6 +129,7 @@ class EnginePool:
                     f"cannot reach the data channel of {engine_id} at {address.host}:{address.port}: {exc}",
                     reason="ENGINE_UNAVAILABLE",
                 ) from exc
+            keep_alive(writer)
             writer.write(frame(address.token))
             self.links[engine_id] = writer
             self.pumps.append(asyncio.create_task(self._pump(engine_id, reader)))
@@ -194,7 +208,9 @@ class EnginePool:
                     queue = self.queues.get(request_id)
                     if queue is not None:  # else the caller has left; its abort is on the way
                         queue.put_nowait(item)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # closed (the engine died), keep-alive timed out, or a frame we cannot read
             log.error("engine died: its data channel closed", extra={"engine": engine_id, "error": repr(exc)})
             self.lost.add(engine_id)
             metrics.ENGINES_UP.dec()
@@ -282,10 +298,20 @@ class EnginePool:
                 if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
                     queue.put_nowait(Failure(f"{engine_id} is gone"))
             return
-        submissions = sum(operation[0] == "submit" for operation in operations)
-        if submissions:
-            metrics.SUBMIT_BATCH.observe(submissions)
-        writer.write(frame(pickle.dumps(operations, protocol=pickle.HIGHEST_PROTOCOL)))
+        try:
+            payload = pickle.dumps(operations, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # cannot happen with molt's own dataclasses; fail the callers, never lose them
+            log.exception("cannot encode a frame for the engine", extra={"engine": engine_id})
+            payload = None
+            failure = Failure(f"the router could not send the request: {exc!r}")
+            for operation in operations:
+                if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
+                    queue.put_nowait(failure)
+        if payload is not None:
+            submissions = sum(operation[0] == "submit" for operation in operations)
+            if submissions:
+                metrics.SUBMIT_BATCH.observe(submissions)
+            writer.write(frame(payload))
 
     async def _admit(self) -> None:
         if self._open.is_set():
@@ -334,7 +360,7 @@ class EnginePool:
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
         clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
         started = time.monotonic()
-        await asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self.actors.values()))
+        await asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self._live_actors()))
         engines_s = time.monotonic() - started
         self.paused = True
         metrics.PAUSED.set(1)
@@ -360,7 +386,7 @@ class EnginePool:
                 )
             self.policy_version = policy_version
         started = time.monotonic()
-        await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self.actors.values()))
+        await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
         engines_s = time.monotonic() - started
         self.paused = False
         self._open.set()
@@ -368,6 +394,10 @@ class EnginePool:
         metrics.POLICY_VERSION.set(self.policy_version)
         log.info("resumed", extra={"policy_version": self.policy_version, "engines_s": round(engines_s, 4)})
         return self.policy_version
+
+    def _live_actors(self) -> list[Any]:
+        """The engines whose data channel is open (pausing or resuming a dead one would fail every refit)."""
+        return [actor for engine_id, actor in self.actors.items() if engine_id not in self.lost]
 
     def load(self) -> dict[str, tuple[int, int]]:
         """Per engine: (outstanding requests, outstanding tokens)."""

@@ -20,6 +20,6 @@ PAUSED = Gauge("molt_router_paused", "1 while generation is paused.")
 POLICY_VERSION = Gauge("molt_router_policy_version", "Policy version tokens are sampled with.")
 SUBMIT_BATCH = Histogram(
     "molt_router_submit_batch_requests",
-    "Requests handed to an engine per Ray call (those arriving in one pass of the event loop go together).",
+    "Requests handed to an engine per data-channel frame (those arriving in one pass of the event loop go together).",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
