@@ -356,6 +356,31 @@ def test_calculator_env_through_the_pool(
         assert trajectory.loss_mask[0] and len(trajectory.loss_mask) == len(trajectory.response_token_ids)
 
 
+def one_group_per_version(tmp_path: Path, router: Any, redis_url: str) -> tuple[AgentPoolSettings, type[Env]]:
+    """max_staleness 0 and one group per step: group k starts only once the policy version is >= k."""
+    cfg = settings(tmp_path, router, redis_url, group_size=2, groups_in_flight=4, groups_per_step=1)
+    env = load_agent(cfg.agent)
+    assert issubclass(env, Env)
+    return cfg.model_copy(update={"max_staleness": 0}), env
+
+
+async def pool_parts(
+    cfg: AgentPoolSettings, env: type[Env], router: Any, redis_client: redis.Redis
+) -> tuple[RouterClient, VersionWatch, Any, TrajectoryQueue]:
+    """A router client, a version watch with no background task, the Env's runner and the queue."""
+    tokenizer = AutoTokenizer.from_pretrained(router.model_path)
+    rc = RouterClient(router.address)
+    runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
+    return rc, VersionWatch(rc), runner, TrajectoryQueue(redis_client, RUN)
+
+
+async def started_groups(pool: RolloutPool, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pool.stats.started_groups < count:
+        assert time.monotonic() < deadline, f"{pool.stats.started_groups} groups started, waited for {count}"
+        await asyncio.sleep(0.05)
+
+
 def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
@@ -363,24 +388,11 @@ def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
     back the pool asks the router itself (``VersionWatch.wait_newer``, without a broadcaster: every 50 ms):
     no background watch runs here, so the next group starts only because the pool saw the new version on
     its own."""
-    cfg = settings(tmp_path, router, redis_server.url, group_size=2, groups_in_flight=4, groups_per_step=1)
-    cfg = cfg.model_copy(update={"max_staleness": 0})
-    env = load_agent(cfg.agent)
-    assert issubclass(env, Env)
-
-    async def started_groups(pool: RolloutPool, count: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while pool.stats.started_groups < count:
-            assert time.monotonic() < deadline, f"{pool.stats.started_groups} groups started, waited for {count}"
-            await asyncio.sleep(0.05)
+    cfg, env = one_group_per_version(tmp_path, router, redis_server.url)
 
     async def main() -> None:
-        tokenizer = AutoTokenizer.from_pretrained(router.model_path)
-        rc = RouterClient(router.address)
-        watch = VersionWatch(rc)
+        rc, watch, runner, queue = await pool_parts(cfg, env, router, redis_client)
         base = await watch.refresh()  # groups 0..base may start now; group base + 1 needs version base + 1
-        runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
-        queue = TrajectoryQueue(redis_client, RUN)
         pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
         pool.start(max_groups=base + 3)
         await started_groups(pool, base + 1, 60)
@@ -403,24 +415,11 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
     producer"). max_staleness 0, one group per step, the router's version fixed: held back at group
     base + 1, the pool starts exactly one more when the learner reports a group it settled without
     training; and with a filter that drops every group, it keeps starting groups at the same version."""
-    cfg = settings(tmp_path, router, redis_server.url, group_size=2, groups_in_flight=4, groups_per_step=1)
-    cfg = cfg.model_copy(update={"max_staleness": 0})
-    env = load_agent(cfg.agent)
-    assert issubclass(env, Env)
-
-    async def started_groups(pool: RolloutPool, count: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while pool.stats.started_groups < count:
-            assert time.monotonic() < deadline, f"{pool.stats.started_groups} groups started, waited for {count}"
-            await asyncio.sleep(0.05)
+    cfg, env = one_group_per_version(tmp_path, router, redis_server.url)
 
     async def main() -> None:
-        tokenizer = AutoTokenizer.from_pretrained(router.model_path)
-        rc = RouterClient(router.address)
-        watch = VersionWatch(rc)
+        rc, watch, runner, queue = await pool_parts(cfg, env, router, redis_client)
         base = await watch.refresh()
-        runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, (await rc.info()).max_model_len))
-        queue = TrajectoryQueue(redis_client, RUN)
 
         pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
         pool.start(max_groups=base + 4)

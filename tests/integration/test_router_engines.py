@@ -104,25 +104,18 @@ def test_a_data_channel_connection_without_the_secret_is_closed(own_router: Any)
     and the router goes on serving."""
     host, port = data_channels(own_router.log_path)["engine-0"].rsplit(":", 1)
 
-    async def stranger() -> bytes:
+    async def send_unasked(data: bytes) -> bytes:
+        """Connects, sends ``data`` instead of the secret, and returns what came back (b"": closed)."""
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(frame(pickle.dumps([("abort", "x")])))
-        await writer.drain()
-        rest = await asyncio.wait_for(reader.read(), 30)  # b"" once the engine closed the connection
-        writer.close()
-        return rest
-
-    assert asyncio.run(stranger()) == b""
-
-    async def boaster() -> bytes:  # a header that claims 1 GiB: closed before anything is read or allocated
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(struct.pack("!I", 1 << 30))
+        writer.write(data)
         await writer.drain()
         rest = await asyncio.wait_for(reader.read(), 30)
         writer.close()
         return rest
 
-    assert asyncio.run(boaster()) == b""
+    assert asyncio.run(send_unasked(frame(pickle.dumps([("abort", "x")])))) == b""
+    # A header that claims 1 GiB: closed before anything is read or allocated.
+    assert asyncio.run(send_unasked(struct.pack("!I", 1 << 30))) == b""
     for _ in range(200):  # the engine actor's log reaches the router's through Ray, a little later
         if "closed a connection that lacked the secret" in own_router.log_path.read_text(errors="replace"):
             break

@@ -78,8 +78,8 @@ class EnginePool:
         self.in_flight: dict[str, InFlight] = {}
         self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
         self.pumps: list[asyncio.Task[None]] = []
-        self.links: dict[str, asyncio.StreamWriter] = {}  # per engine: the router's end of its data channel
-        self.lost: set[str] = set()  # engines whose channel closed (the engine died)
+        # Per live engine, the router's end of its data channel (an engine whose channel closed is dropped).
+        self.links: dict[str, asyncio.StreamWriter] = {}
         self.outgoing: dict[str, list[Operation]] = {}  # per engine: what this pass of the loop gathered
         self.policy_version = 0
         self.paused = False
@@ -212,7 +212,8 @@ class EnginePool:
             raise
         except Exception as exc:  # closed (the engine died), keep-alive timed out, or a frame we cannot read
             log.error("engine died: its data channel closed", extra={"engine": engine_id, "error": repr(exc)})
-            self.lost.add(engine_id)
+            if (writer := self.links.pop(engine_id, None)) is not None:
+                writer.close()
             metrics.ENGINES_UP.dec()
             for request_id, flight in self.in_flight.items():
                 if flight.engine_id == engine_id:
@@ -232,7 +233,7 @@ class EnginePool:
         await self._admit()
         self._refuse_duplicate(request_id)  # one with the same id may have been admitted while this one waited
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
-        live = [engine_id for engine_id in self.actors if engine_id not in self.lost]
+        live = [engine_id for engine_id in self.actors if engine_id in self.links]
         engine_id = pick_engine(live or list(self.actors), session_id, load)  # none live: it fails at once
         queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
         self.queues[request_id] = queue
@@ -293,25 +294,24 @@ class EnginePool:
     def _send(self, engine_id: str) -> None:
         operations = self.outgoing.pop(engine_id)
         writer = self.links.get(engine_id)
-        if engine_id in self.lost or writer is None or writer.is_closing():
-            for operation in operations:
-                if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
-                    queue.put_nowait(Failure(f"{engine_id} is gone"))
+        if writer is None or writer.is_closing():
+            self._fail_submissions(operations, Failure(f"{engine_id} is gone"))
             return
         try:
             payload = pickle.dumps(operations, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # cannot happen with molt's own dataclasses; fail the callers, never lose them
             log.exception("cannot encode a frame for the engine", extra={"engine": engine_id})
-            payload = None
-            failure = Failure(f"the router could not send the request: {exc!r}")
-            for operation in operations:
-                if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
-                    queue.put_nowait(failure)
-        if payload is not None:
-            submissions = sum(operation[0] == "submit" for operation in operations)
-            if submissions:
-                metrics.SUBMIT_BATCH.observe(submissions)
-            writer.write(frame(payload))
+            self._fail_submissions(operations, Failure(f"the router could not send the request: {exc!r}"))
+            return
+        submissions = sum(operation[0] == "submit" for operation in operations)
+        if submissions:
+            metrics.SUBMIT_BATCH.observe(submissions)
+        writer.write(frame(payload))
+
+    def _fail_submissions(self, operations: list[Operation], failure: Failure) -> None:
+        for operation in operations:
+            if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
+                queue.put_nowait(failure)
 
     async def _admit(self) -> None:
         if self._open.is_set():
@@ -397,7 +397,7 @@ class EnginePool:
 
     def _live_actors(self) -> list[Any]:
         """The engines whose data channel is open (pausing or resuming a dead one would fail every refit)."""
-        return [actor for engine_id, actor in self.actors.items() if engine_id not in self.lost]
+        return [actor for engine_id, actor in self.actors.items() if engine_id in self.links]
 
     def load(self) -> dict[str, tuple[int, int]]:
         """Per engine: (outstanding requests, outstanding tokens)."""
