@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from molt.core.testing import ServiceProcess, free_port
+from molt.core.testing import RAY_ENV, ServiceProcess, free_port
 
 ROUTER_TEMPERATURE = 0.8
 ROUTER_CONTEXT = 1024  # room for a tool-calling prompt (the calculator Env: ~514 tokens)
@@ -36,22 +37,33 @@ class RouterUnderTest:
     log_path: Path | None = None
 
 
-def router_recipe(model_path: Path, port: int, run_dir: Path, metrics_port: int = 0) -> str:
+def router_recipe(
+    model_path: Path,
+    port: int,
+    run_dir: Path,
+    metrics_port: int = 0,
+    run_id: str = "router-test",
+    ray_address: str | None = None,
+    detached: bool = False,
+) -> str:
+    ray = f'ray_address = "{ray_address}"' if ray_address else ""
     return f"""
 [run]
-run_id = "router-test"
+run_id = "{run_id}"
 run_dir = "{run_dir}"
 
 [router]
 listen = "127.0.0.1:{port}"
 metrics_port = {metrics_port}
 max_message_bytes = {ROUTER_MAX_MESSAGE_BYTES}
+{ray}
 
 [router.engine]
 model_path = "{model_path}"
 dtype = "float32"
 max_model_len = {ROUTER_CONTEXT}
 engine_args = {{ enforce_eager = true }}
+detached = {str(detached).lower()}
 
 [router.sampling]
 temperature = {ROUTER_TEMPERATURE}
@@ -64,16 +76,19 @@ paused_wait_timeout_s = 60
 """
 
 
-def launch_router(model_path: Path, workdir: Path) -> tuple[ServiceProcess, RouterUnderTest]:
-    """Starts molt's own router on ``model_path`` (its files under ``workdir``); stop it with the process."""
+def launch_router(
+    model_path: Path, workdir: Path, run_id: str = "router-test", ray_address: str | None = None, detached: bool = False
+) -> tuple[ServiceProcess, RouterUnderTest]:
+    """Starts molt's own router on ``model_path`` (its files under ``workdir``; a Ray instance of its own
+    unless ``ray_address``); stop it with the process."""
     port, metrics_port = free_port(), free_port()
     recipe = workdir / "recipe.toml"
-    recipe.write_text(router_recipe(model_path, port, workdir / "run", metrics_port))
+    recipe.write_text(router_recipe(model_path, port, workdir / "run", metrics_port, run_id, ray_address, detached))
     process = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],
         f"127.0.0.1:{port}",
         workdir / "router.log",
-        env={"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
+        env=RAY_ENV if ray_address else {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
         service="molt.v1.RolloutService",
     )
     process.start(timeout_s=420)
@@ -107,3 +122,24 @@ def router_of_its_own(tiny_model: Path, tmp_path: Path) -> Iterator[RouterUnderT
     process, router = launch_router(tiny_model, tmp_path)
     yield router
     process.stop()
+
+
+RouterFactory = Callable[..., tuple[ServiceProcess, RouterUnderTest]]
+
+
+@pytest.fixture
+def router_factory(tiny_model: Path, tmp_path: Path) -> Iterator[RouterFactory]:
+    """Starts molt routers on the tiny model, each in a directory of its own: ``factory(name, **kwargs)``
+    (keyword arguments of ``launch_router``); stops those still running after the test."""
+    started: list[ServiceProcess] = []
+
+    def factory(name: str, **kwargs: Any) -> tuple[ServiceProcess, RouterUnderTest]:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        process, router = launch_router(tiny_model, workdir, **kwargs)
+        started.append(process)
+        return process, router
+
+    yield factory
+    for process in started:
+        process.stop()

@@ -28,7 +28,12 @@ class EngineSettings(BaseModel):
     )
     dtype: str = Field("auto", description="Weight/activation dtype ('auto', 'float32', 'bfloat16', ...).")
     detached: bool = Field(
-        False, description="Engines outlive the router (a restarted router attaches to them by name)."
+        False,
+        description=(
+            "Engines (and their placement groups) outlive the router, on a Ray cluster that outlives it "
+            "(ray_address): a restarted router of the same run attaches to them by name and takes their "
+            "policy version and pause over; the requests of the router that left are aborted."
+        ),
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through."

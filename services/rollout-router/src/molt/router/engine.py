@@ -87,11 +87,24 @@ class Submission:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the served model accepts."""
+    """What the served model accepts, and the engine's state (a restarted router attaching to a detached
+    engine takes its policy version and pause over)."""
 
     engine_id: str
     vocab_size: int
     max_model_len: int
+    policy_version: int = 0
+    paused: bool = False
+    running: int = 0  # requests in the engine
+
+
+@dataclass
+class Running:
+    """A request the engine is serving, and the router connection that submitted it."""
+
+    task: asyncio.Task[None]
+    sample_count: int
+    owner: asyncio.StreamWriter
 
 
 @dataclass(frozen=True)
@@ -151,7 +164,8 @@ class EngineActor:
         self.spec = spec
         self.policy_version = policy_version
         self.llm: Any = None
-        self.tasks: dict[str, tuple[asyncio.Task[None], int]] = {}  # request id -> (its task, its samples)
+        self.tasks: dict[str, Running] = {}
+        self.paused = False
         self.outbox: list[Output] = []
         self.ready = asyncio.Event()  # the outbox has something and a router is connected
         self.address: ChannelAddress | None = None
@@ -187,11 +201,20 @@ class EngineActor:
                 self.stall_watch = StallWatch(f"engine actor {self.spec.engine_id}")
                 self.stall_watch.start()
         config = self.llm.model_config
-        return EngineInfo(self.spec.engine_id, config.get_vocab_size(), config.max_model_len)
+        return EngineInfo(
+            self.spec.engine_id,
+            config.get_vocab_size(),
+            config.max_model_len,
+            policy_version=self.policy_version,
+            paused=self.paused,
+            running=len(self.tasks),
+        )
 
     async def channel(self) -> ChannelAddress:
         """Opens the data channel (once) on this node's address and returns where it listens. A router
-        that connects replaces an earlier one (a restarted router attaching to a detached engine)."""
+        that connects replaces an earlier one (a restarted router attaching to a detached engine); the
+        requests of a router whose connection closed are aborted, and their outputs dropped: nobody is
+        left to read them, and a new router may reuse their ids."""
         async with self.opening:
             if self.address is None:
                 import ray
@@ -215,13 +238,12 @@ class EngineActor:
             if self.writer is not None:  # a newer router replaces the old one
                 self.writer.close()
             self.writer = writer
-            if self.outbox:
-                self.ready.set()
+            self.outbox.clear()  # what it holds was for an earlier router
             while True:
                 operations: list[Operation] = pickle.loads(await read_frame(reader))
                 for operation in operations:
                     if operation[0] == "submit":
-                        self._start(operation[1])
+                        self._start(operation[1], writer)
                     else:
                         await self._abort(operation[1])
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
@@ -236,30 +258,42 @@ class EngineActor:
             if self.writer is writer:
                 self.writer = None
             writer.close()
+            if authenticated:
+                self._drop_orphans(writer)
+
+    def _drop_orphans(self, owner: asyncio.StreamWriter) -> None:
+        """Cancels the requests ``owner`` submitted (the task's end aborts them in vLLM)."""
+        orphans = [request_id for request_id, running in self.tasks.items() if running.owner is owner]
+        for request_id in orphans:
+            self.tasks.pop(request_id).task.cancel()
+        if orphans:
+            log.warning(
+                "data channel: a router left; its requests are aborted",
+                extra={"engine": self.spec.engine_id, "requests": len(orphans)},
+            )
 
     async def _abort(self, request_id: str) -> None:
         """Aborts a request: through vLLM when vLLM has it (its stream then ends with finish "abort"),
         else by cancelling its task before it gets there (vLLM ignores an abort of an id it does not
         know yet, and the request would run to its end), ending each sample with an "abort" chunk."""
-        entry = self.tasks.get(request_id)
-        if entry is None:
+        running = self.tasks.get(request_id)
+        if running is None:
             return
-        task, sample_count = entry
         if self.llm.output_processor.external_req_ids.get(request_id):
             await self.llm.abort(request_id)
             return
         del self.tasks[request_id]
-        task.cancel()
-        for index in range(sample_count):
+        running.task.cancel()
+        for index in range(running.sample_count):
             self._emit((request_id, Chunk(index, [], [], self.policy_version, [], "abort", "")))
 
-    def _start(self, s: Submission) -> None:
+    def _start(self, s: Submission, owner: asyncio.StreamWriter) -> None:
         if s.request_id in self.tasks:
             message = f"request {s.request_id!r} is already running on {self.spec.engine_id}"
             self._emit((s.request_id, Failure(message, refused=True)))
             return
-        run = self._run(s.request_id, s.prompt_token_ids, s.sampling, s.final_only)
-        self.tasks[s.request_id] = (asyncio.create_task(run), s.sampling.sample_count)
+        task = asyncio.create_task(self._run(s.request_id, s.prompt_token_ids, s.sampling, s.final_only, owner))
+        self.tasks[s.request_id] = Running(task, s.sampling.sample_count, owner)
 
     async def _flush(self) -> None:
         """Sends the outbox to the connected router, everything produced since the last send in one frame."""
@@ -284,16 +318,25 @@ class EngineActor:
         if self.writer is not None:
             self.ready.set()
 
-    async def _run(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool) -> None:
+    async def _run(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        final_only: bool,
+        owner: asyncio.StreamWriter,
+    ) -> None:
         try:
             async for chunk in self.generate(request_id, prompt_token_ids, sampling, final_only):
-                self._emit((request_id, chunk))
+                if owner is self.writer:  # else its router has left (the task is being cancelled)
+                    self._emit((request_id, chunk))
         except Exception as exc:  # reported to the router as this request's failure, not swallowed
             log.exception("request failed in the engine", extra={"request_id": request_id})
-            self._emit((request_id, Failure(f"{type(exc).__name__}: {exc}")))
+            if owner is self.writer:
+                self._emit((request_id, Failure(f"{type(exc).__name__}: {exc}")))
         finally:
-            entry = self.tasks.get(request_id)
-            if entry is not None and entry[0] is asyncio.current_task():  # not a newer request of the same id
+            running = self.tasks.get(request_id)
+            if running is not None and running.task is asyncio.current_task():  # not a newer one of the same id
                 del self.tasks[request_id]
 
     async def generate(
@@ -403,6 +446,7 @@ class EngineActor:
         labels, not from when they arrive); that sleep was a third of a refit's pause on 2 cores.
         """
         await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+        self.paused = True
 
     async def resume(self, policy_version: int) -> None:
         """Labels outputs ``policy_version`` and resumes, in one round trip to the engine core: it handles
@@ -412,6 +456,7 @@ class EngineActor:
         core = self.llm.engine_core
         # gather starts its tasks in order, and each sends its message before its first await.
         await asyncio.gather(core.set_weight_version_async(str(policy_version)), core.resume_scheduler_async())
+        self.paused = False
 
     async def _label(self, policy_version: int) -> None:
         """From the next engine step on, outputs are labelled ``policy_version`` (set only while paused)."""

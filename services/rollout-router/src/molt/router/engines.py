@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable
@@ -120,6 +120,7 @@ class EnginePool:
         limits = {(i.vocab_size, i.max_model_len) for i in infos}
         if len(limits) != 1:
             raise ConfigError(f"engines serve different models (vocab size, context): {sorted(limits)}")
+        self._take_over(infos)
         addresses = await asyncio.gather(*(actor.channel.remote() for actor in self.actors.values()))
         for engine_id, address in zip(self.actors, addresses, strict=True):
             try:
@@ -136,8 +137,35 @@ class EnginePool:
         metrics.ENGINES_UP.set(len(infos))
         vocab_size, max_model_len = limits.pop()
         channels = {engine_id: f"{a.host}:{a.port}" for engine_id, a in zip(self.actors, addresses, strict=True)}
-        log.info("engines ready", extra={"engines": list(self.infos), "gpu": use_gpu, "data_channels": channels})
+        log.info(
+            "engines ready",
+            extra={
+                "engines": list(self.infos),
+                "gpu": use_gpu,
+                "data_channels": channels,
+                "policy_version": self.policy_version,
+                "paused": self.paused,
+                "requests_in_engines": sum(info.running for info in infos),  # attached: what earlier routers left
+            },
+        )
         return ModelLimits(vocab_size, max_model_len)
+
+    def _take_over(self, infos: list[EngineInfo]) -> None:
+        """Takes the policy version and the pause over from engines this router attached to (they outlived
+        an earlier router): the highest version, and paused when any engine is paused or the versions
+        differ (a refit was cut short), so that nothing is served before a ResumeGeneration says under
+        which version. Fresh engines are at version 0, running."""
+        versions = {info.policy_version for info in infos}
+        self.policy_version = max(versions)
+        metrics.POLICY_VERSION.set(self.policy_version)
+        if any(info.paused for info in infos) or len(versions) > 1:
+            self.paused = True
+            self._open.clear()
+            metrics.PAUSED.set(1)
+            log.warning(
+                "attached to paused engines (or engines at different versions): requests wait for a ResumeGeneration",
+                extra={"versions": {info.engine_id: info.policy_version for info in infos}},
+            )
 
     def _actor(self, engine_id: str, use_gpu: bool) -> Any:
         name = f"molt-{engine_id}"
@@ -152,7 +180,10 @@ class EnginePool:
         # CPU: one bundle for the actor (vLLM's worker runs in a child process). GPU: one GPU per
         # tensor-parallel worker; with tp > 1 vLLM's Ray executor places its workers in this group.
         bundles = [{"CPU": 1.0, "GPU": 1.0}] + [{"GPU": 1.0}] * (tp - 1) if use_gpu else [{"CPU": 1.0}]
-        group = placement_group(bundles, strategy="PACK")
+        # A detached engine's group is detached too: Ray removes a job's groups, and the actors in them,
+        # when the job (this router) ends.
+        lifetime = "detached" if engine.detached else None
+        group = placement_group(bundles, strategy="PACK", name=self._group_name(engine_id), lifetime=lifetime)
         extra: dict[str, Any] = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
         if self.settings.pause.kv_cache == "keep":
             extra["enable_prefix_caching"] = False
@@ -184,8 +215,12 @@ class EnginePool:
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         ).remote(spec, self.policy_version)
 
+    def _group_name(self, engine_id: str) -> str:
+        return f"{self.namespace}-{engine_id}"
+
     async def shutdown(self) -> None:
-        """Stops the engines unless they are detached (then a later router attaches to them)."""
+        """Stops the engines and frees their placement groups, unless they are detached (then a later
+        router attaches to them); an engine this router attached to goes too unless it is detached."""
         for task in self.pumps:
             task.cancel()
         for writer in self.links.values():
@@ -193,8 +228,12 @@ class EnginePool:
         if self.settings.engine.detached:
             return
         await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors.values()), return_exceptions=True)
-        for actor in self.actors.values():
+        for engine_id, actor in self.actors.items():
             ray.kill(actor)
+            try:
+                remove_placement_group(get_placement_group(self._group_name(engine_id)))
+            except Exception as exc:  # already gone (with an earlier router's job): nothing to free
+                log.debug("no placement group to remove", extra={"engine": engine_id, "error": repr(exc)})
         metrics.ENGINES_UP.set(0)
 
     # -- requests --------------------------------------------------------------------------
