@@ -124,11 +124,8 @@ def router_of_its_own(tiny_model: Path, tmp_path: Path) -> Iterator[RouterUnderT
     process.stop()
 
 
-RouterFactory = Callable[..., tuple[ServiceProcess, RouterUnderTest]]
-
-
 @pytest.fixture
-def router_factory(tiny_model: Path, tmp_path: Path) -> Iterator[RouterFactory]:
+def router_factory(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., tuple[ServiceProcess, RouterUnderTest]]]:
     """Starts molt routers on the tiny model, each in a directory of its own: ``factory(name, **kwargs)``
     (keyword arguments of ``launch_router``); stops those still running after the test."""
     started: list[ServiceProcess] = []

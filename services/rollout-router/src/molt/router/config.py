@@ -32,7 +32,8 @@ class EngineSettings(BaseModel):
         description=(
             "Engines (and their placement groups) outlive the router, on a Ray cluster that outlives it "
             "(ray_address): a restarted router of the same run attaches to them by name and takes their "
-            "policy version and pause over; the requests of the router that left are aborted."
+            "policy version and pause over (engines at different versions resume only with a refit); the "
+            "requests of the router that left are aborted."
         ),
     )
     engine_args: dict[str, Any] = Field(

@@ -23,12 +23,14 @@ cores, the socket ~0.14 ms of both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
 import os
 import pickle
 import secrets
+import socket
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -94,11 +96,10 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     policy_version: int = 0
-    paused: bool = False
-    running: int = 0  # requests in the engine
+    paused: bool = False  # paused by a router and not resumed by one since
 
 
-@dataclass
+@dataclass(frozen=True)
 class Running:
     """A request the engine is serving, and the router connection that submitted it."""
 
@@ -143,6 +144,19 @@ class ChannelAddress:
     host: str
     port: int
     token: bytes
+
+
+def keep_alive(writer: asyncio.StreamWriter, idle_s: int = 10, interval_s: int = 5, probes: int = 3) -> None:
+    """TCP keep-alive on a data channel, both ends: a peer whose node vanished without closing the
+    connection is noticed after ``idle_s + interval_s * probes`` seconds of silence (Linux options
+    where present)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", probes)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def frame(payload: bytes) -> bytes:
@@ -207,7 +221,6 @@ class EngineActor:
             config.max_model_len,
             policy_version=self.policy_version,
             paused=self.paused,
-            running=len(self.tasks),
         )
 
     async def channel(self) -> ChannelAddress:
@@ -235,17 +248,21 @@ class EngineActor:
             if not hmac.compare_digest(secret, self.address.token):
                 raise ConnectionError("wrong secret")
             authenticated = True
-            if self.writer is not None:  # a newer router replaces the old one
-                self.writer.close()
+            keep_alive(writer)
+            if (old := self.writer) is not None:  # a newer router replaces the old one, which may be gone
+                old.transport.abort()  # at once, unsent bytes dropped (close() would wait for them)
+                self._drop_orphans(old)
             self.writer = writer
             self.outbox.clear()  # what it holds was for an earlier router
             while True:
                 operations: list[Operation] = pickle.loads(await read_frame(reader))
                 for operation in operations:
+                    if self.writer is not writer:  # replaced while this frame was read
+                        return
                     if operation[0] == "submit":
                         self._start(operation[1], writer)
                     else:
-                        await self._abort(operation[1])
+                        await self._abort(operation[1], writer)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             if not authenticated:
                 peer = str(writer.get_extra_info("peername"))
@@ -262,7 +279,7 @@ class EngineActor:
                 self._drop_orphans(writer)
 
     def _drop_orphans(self, owner: asyncio.StreamWriter) -> None:
-        """Cancels the requests ``owner`` submitted (the task's end aborts them in vLLM)."""
+        """Cancels the requests ``owner`` submitted (vLLM's generator aborts them as it closes)."""
         orphans = [request_id for request_id, running in self.tasks.items() if running.owner is owner]
         for request_id in orphans:
             self.tasks.pop(request_id).task.cancel()
@@ -272,12 +289,12 @@ class EngineActor:
                 extra={"engine": self.spec.engine_id, "requests": len(orphans)},
             )
 
-    async def _abort(self, request_id: str) -> None:
-        """Aborts a request: through vLLM when vLLM has it (its stream then ends with finish "abort"),
-        else by cancelling its task before it gets there (vLLM ignores an abort of an id it does not
-        know yet, and the request would run to its end), ending each sample with an "abort" chunk."""
+    async def _abort(self, request_id: str, owner: asyncio.StreamWriter) -> None:
+        """Aborts ``owner``'s request: through vLLM when vLLM has it (its stream then ends with finish
+        "abort"), else by cancelling its task before it gets there (vLLM ignores an abort of an id it
+        does not know yet, and the request would run to its end), ending each sample with an "abort" chunk."""
         running = self.tasks.get(request_id)
-        if running is None:
+        if running is None or running.owner is not owner:
             return
         if self.llm.output_processor.external_req_ids.get(request_id):
             await self.llm.abort(request_id)
@@ -367,20 +384,17 @@ class EngineActor:
             detokenize=bool(sampling.stop_strings),
         )
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
-        finished = False
         sent = [0] * sampling.sample_count  # tokens handed out so far, per sample
-        try:
-            async for output in self.llm.generate(prompt, params, request_id):
+        # Closing vLLM's generator early (a cancel, an error here) makes it abort the request by vLLM's
+        # own id; an abort by ours could hit a newer request that reuses it.
+        async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
+            async for output in outputs:
                 for completion in output.outputs:
                     if completion.token_ids or completion.finish_reason is not None:
                         versions = self._versions(request_id, completion, sent[completion.index])
                         sent[completion.index] += len(completion.token_ids)
                         for chunk in self._chunks(completion, versions, sampling.top_logprob_count):
                             yield chunk
-                finished = output.finished
-        finally:
-            if not finished:  # the consumer went away (client disconnect, cancel): free the engine's slot
-                await self.llm.abort(request_id)
 
     def _versions(self, request_id: str, completion: Any, start: int) -> list[int]:
         """The policy version of each of ``completion``'s tokens, which are the sample's output tokens
@@ -449,6 +463,11 @@ class EngineActor:
         self.paused = True
 
     async def resume(self, policy_version: int) -> None:
+        """The router's resume: the engine runs again under ``policy_version`` (``_run_core``)."""
+        await self._run_core(policy_version)
+        self.paused = False
+
+    async def _run_core(self, policy_version: int) -> None:
         """Labels outputs ``policy_version`` and resumes, in one round trip to the engine core: it handles
         one client's calls in the order they were sent (one socket, one input queue) and runs no step
         while paused, so the label is in place before the first step under the new weights."""
@@ -456,7 +475,6 @@ class EngineActor:
         core = self.llm.engine_core
         # gather starts its tasks in order, and each sends its message before its first await.
         await asyncio.gather(core.set_weight_version_async(str(policy_version)), core.resume_scheduler_async())
-        self.paused = False
 
     async def _label(self, policy_version: int) -> None:
         """From the next engine step on, outputs are labelled ``policy_version`` (set only while paused)."""
@@ -470,12 +488,13 @@ class EngineActor:
         engine resumes (the router still admits nothing new), so any suspended request that moves
         from here on is stamped with the weights that sample it. The engine is left running: the
         router's resume follows at once when the probe agrees, and when it does not the
-        broadcaster pauses the router, and with it this engine, again.
+        broadcaster pauses the router, and with it this engine, again. The engine stays marked
+        paused until the router resumes it (a router that takes it over meanwhile starts paused).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        await self.resume(policy_version)
+        await self._run_core(policy_version)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         final = None
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"probe-{uuid4()}"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable
+from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable, WrongState
 from molt.router import metrics
 from molt.router.config import RouterSettings
 from molt.router.engine import (
@@ -39,24 +38,13 @@ from molt.router.engine import (
     Output,
     Submission,
     frame,
+    keep_alive,
     read_frame,
 )
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 
 log = logging.getLogger(__name__)
-
-
-def keep_alive(writer: asyncio.StreamWriter, idle_s: int = 10, interval_s: int = 5, probes: int = 3) -> None:
-    """TCP keep-alive on a data channel: an engine whose node vanished without closing the connection
-    is noticed after ``idle_s + interval_s * probes`` seconds of silence (Linux options where present)."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", probes)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 @dataclass
@@ -82,6 +70,7 @@ class EnginePool:
         self.links: dict[str, asyncio.StreamWriter] = {}
         self.outgoing: dict[str, list[Operation]] = {}  # per engine: what this pass of the loop gathered
         self.policy_version = 0
+        self.versions_differ = False  # attached engines hold different weights: only a refit may resume them
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
         self._open = asyncio.Event()
@@ -145,7 +134,6 @@ class EnginePool:
                 "data_channels": channels,
                 "policy_version": self.policy_version,
                 "paused": self.paused,
-                "requests_in_engines": sum(info.running for info in infos),  # attached: what earlier routers left
             },
         )
         return ModelLimits(vocab_size, max_model_len)
@@ -153,12 +141,14 @@ class EnginePool:
     def _take_over(self, infos: list[EngineInfo]) -> None:
         """Takes the policy version and the pause over from engines this router attached to (they outlived
         an earlier router): the highest version, and paused when any engine is paused or the versions
-        differ (a refit was cut short), so that nothing is served before a ResumeGeneration says under
-        which version. Fresh engines are at version 0, running."""
+        differ (a refit cut short, or fresh engines beside attached ones), so that nothing is served
+        before a ResumeGeneration; engines that differ resume only with a new version (a refit).
+        Fresh engines are at version 0, running."""
         versions = {info.policy_version for info in infos}
         self.policy_version = max(versions)
+        self.versions_differ = len(versions) > 1
         metrics.POLICY_VERSION.set(self.policy_version)
-        if any(info.paused for info in infos) or len(versions) > 1:
+        if any(info.paused for info in infos) or self.versions_differ:
             self.paused = True
             self._open.clear()
             metrics.PAUSED.set(1)
@@ -173,6 +163,11 @@ class EnginePool:
             actor = ray.get_actor(name, namespace=self.namespace)
             log.info("attached to running engine", extra={"engine": engine_id})
             return actor
+        except ValueError:
+            pass
+        try:  # a detached group whose engine died (crash, ray.kill) would block creating it again
+            remove_placement_group(get_placement_group(self._group_name(engine_id)))
+            log.warning("removed the placement group of a dead engine", extra={"engine": engine_id})
         except ValueError:
             pass
         engine = self.settings.engine
@@ -417,6 +412,12 @@ class EnginePool:
 
     async def resume(self, policy_version: int | None) -> int:
         """Resumes the engines (under ``policy_version`` if given) and reopens admission."""
+        if policy_version is None and self.versions_differ:
+            raise WrongState(
+                "the engines hold different weights (attached engines at different versions, or beside fresh "
+                "ones); only a refit can resume them: ResumeGeneration with the new policy_version",
+                reason="ENGINES_DIFFER",
+            )
         if policy_version is not None:
             if policy_version < self.policy_version:
                 raise InvalidInput(
@@ -428,6 +429,7 @@ class EnginePool:
         await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
         engines_s = time.monotonic() - started
         self.paused = False
+        self.versions_differ = False
         self._open.set()
         metrics.PAUSED.set(0)
         metrics.POLICY_VERSION.set(self.policy_version)
