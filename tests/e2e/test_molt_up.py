@@ -70,15 +70,16 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
         code = subprocess.run(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=1100).returncode
     assert code == 0, log_tail(out, 60)
 
-    # The learner trained STEPS steps; the engines were refitted after each one, every refit validated
-    # (a refit is published only when coverage and checksums hold; the probe where it ran).
+    # The learner trained STEPS steps; the engines were refitted before the first (the learner's weights
+    # as they are, version 0) and after each one, every refit validated (a refit is published only when
+    # coverage and checksums hold; the probe where it ran).
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     broadcaster = log_records(run_dir / "logs" / "broadcaster.log")
     published = [r for r in broadcaster if r.get("message") == "refit published"]
-    assert [r["version"] for r in published] == list(range(1, STEPS + 1))
+    assert [r["version"] for r in published] == list(range(0, STEPS + 1))
     probed = [r for r in published if r["probe_max_abs_diff"] is not None]
-    assert [r["version"] for r in probed] == list(range(1, STEPS + 1, 2))  # the 1st, 3rd, ... refit
+    assert [r["version"] for r in probed] == list(range(0, STEPS + 1, 2))  # the 1st, 3rd, ... refit
     assert all(float(r["probe_max_abs_diff"]) < 1e-3 for r in probed)  # type: ignore[arg-type]
     assert not [r for r in broadcaster if r.get("level") == "error"]
     stored = json.loads(redis_client.get(f"molt:{run_id}:policy_version"))

@@ -28,10 +28,16 @@ from transformers import AutoModelForCausalLM
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.service import VersionWatch
 from molt.core.config import RunSettings
+from molt.core.queue import TrajectoryQueue
+from molt.core.serve import error_info
 from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port
 from molt.core.tiny_model import build
+from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import LearnerSettings
+from molt.learner.loop import LearnerLoop
 from molt.learner.refit import WeightPublisher, gather_for_refit
+from molt.learner.synthetic import named_group
+from molt.learner.trainer import Trainer
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -117,6 +123,7 @@ refit_timeout_s = 300
         "model_b": model_b,
         "settings": settings,
         "redis": redis_server.url,
+        "broadcaster_process": broadcaster,
     }
     broadcaster.stop()
     router.stop()
@@ -176,7 +183,7 @@ def test_refit_moves_validates_and_publishes(stack: dict[str, Any]) -> None:
     with grpc.insecure_channel(stack["broadcaster"]) as channel:
         again = weights_pb2_grpc.WeightServiceStub(channel).RefitWeights(
             weights_pb2.RefitWeightsRequest(
-                request_id=f"{RUN_ID}-step-1",
+                request_id=f"{RUN_ID}-{publisher.nonce}-v1",
                 learner_step=1,
                 tensors=[weights_pb2.TensorSpec(name="x", dtype="float32", shape=[1])],
             ),
@@ -468,3 +475,100 @@ def test_a_refit_keeping_the_kv_cache(stack_keeping_kv: dict[str, Any]) -> None:
     assert set(completion.policy_versions) == {last.version_b}
     expected = teacher_forced(model_b, prompt, list(completion.token_ids))
     assert torch.allclose(torch.tensor(list(completion.logprobs), dtype=torch.float64), expected, atol=2e-3)
+
+
+def test_a_learner_restarted_behind_the_engines_numbers_on_after_them(stack: dict[str, Any], tmp_path: Path) -> None:
+    """A learner restarts from a checkpoint of step 2 (version 2) while the engines serve a newer
+    version (published by the learner that died). Its first refit, before its first step, publishes
+    the checkpoint's weights as the version after the engines' (a plain one is refused,
+    VERSION_NOT_NEWER); its steps 3 and 4 follow as the versions after that, and the checkpoint
+    carries the new numbering into the next restart."""
+    settings = stack["settings"].model_copy(
+        update={
+            "run": RunSettings(run_id=RUN_ID, redis_url=stack["redis"], run_dir=tmp_path / "run"),
+            "group_size": 4,
+            "groups_per_step": 1,
+            "max_steps": 4,
+            "poll_s": 0.1,
+            "metrics_port": 0,
+            "refit_probe_every": 1,
+            "max_staleness": 4,
+        }
+    )
+    publisher = WeightPublisher(settings, vocab_size=320)
+    state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    with grpc.insecure_channel(stack["router"]) as channel:
+        current = (
+            rollout_pb2_grpc.RolloutServiceStub(channel)
+            .GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+            .policy_version
+        )
+    ahead = current + 5
+    publisher.publish(ahead, state_b, probe_b)  # what the dead learner published last
+    with pytest.raises(grpc.RpcError) as refused:
+        publisher.publish(3, state_b, probe_b)
+    detail = error_info(refused.value)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert detail is not None and detail.reason == "VERSION_NOT_NEWER"
+    assert not router_paused(stack["router"])
+
+    checkpoints = Checkpoints(settings.run.run_dir / "checkpoints", settings.keep_checkpoints)
+    dead = Trainer(settings)
+    dead.step = 2
+    checkpoints.save(dead, RunState(step=2, policy_version=2))
+
+    trainer = Trainer(settings)
+    queue = TrajectoryQueue(redis.Redis.from_url(stack["redis"]), RUN_ID, consumer="learner-0")
+    loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, on_step=publisher)
+    assert loop.resume() == 2 and trainer.policy_version == 2
+    queue.put_many([named_group(f"restart-{i}", [1.0, 0.0, 0.5, 0.0], run_id=RUN_ID, version=ahead) for i in range(2)])
+    assert loop.run() == 4
+    publisher.close()
+
+    assert trainer.policy_version == loop.state.policy_version == ahead + 3
+    with grpc.insecure_channel(stack["broadcaster"]) as channel:
+        published = (
+            weights_pb2_grpc.WeightServiceStub(channel)
+            .GetPolicyVersion(weights_pb2.GetPolicyVersionRequest(), timeout=30)
+            .policy_version
+        )
+    assert (published.version, published.learner_step) == (ahead + 3, 4)
+    assert publisher.last_report is not None and publisher.last_report.probe_max_abs_logprob_diff < 1e-3
+    assert set(asyncio.run(sample(stack["router"], seed=31)).policy_versions) == {ahead + 3}
+    # The groups were sampled at `ahead`, now 1 and 2 versions old: trained, none dropped as stale.
+    assert sorted(set(loop.state.consumed.values())) == [3, 4] and not loop.state.dropped
+
+    again = Trainer(settings)
+    LearnerLoop(settings, again, checkpoints).resume()
+    assert (again.step, again.policy_version) == (4, ahead + 3)
+
+
+def test_a_restarted_broadcaster_takes_the_routers_version_as_the_newest(stack: dict[str, Any]) -> None:
+    """A broadcaster restarted in front of engines that kept their version has published nothing; it
+    must not let a refit take the engines' version backwards (the router would refuse the resume
+    after the weights were loaded): the router's version counts as the newest."""
+    with grpc.insecure_channel(stack["router"]) as channel:
+        current = (
+            rollout_pb2_grpc.RolloutServiceStub(channel)
+            .GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+            .policy_version
+        )
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    current += 2
+    publisher.publish(current, state_b, probe_b)
+    publisher.close()
+    stack["broadcaster_process"].stop()
+    stack["broadcaster_process"].start(timeout_s=120)
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            publisher.publish(current, state_b, probe_b)
+        detail = error_info(refused.value)
+        assert detail is not None and detail.reason == "VERSION_NOT_NEWER"
+        response = publisher.publish(2, state_b, probe_b, continue_versions=True)
+    finally:
+        publisher.close()
+    assert (response.policy_version.version, response.policy_version.learner_step) == (current + 1, 2)
+    assert response.report.probe_max_abs_logprob_diff < 1e-3
+    assert set(asyncio.run(sample(stack["router"], seed=41)).policy_versions) == {current + 1}

@@ -6,12 +6,12 @@ from molt.launcher.progress import Snapshot, status_line
 
 
 def test_a_learner_that_stops_answering_mid_run_is_an_alert() -> None:
-    snap = Snapshot(max_steps=200, router_version=120, unreachable=["learner"])
+    snap = Snapshot(max_steps=200, router_version=205, published_step=120, unreachable=["learner"])
     assert "ALERT: learner not answering" in status_line(snap, 60.0)
 
 
 def test_a_learner_that_stops_answering_after_its_last_step_is_finishing() -> None:
-    snap = Snapshot(max_steps=200, router_version=200, unreachable=["learner"])
+    snap = Snapshot(max_steps=200, router_version=204, published_step=200, unreachable=["learner"])
     line = status_line(snap, 60.0)
     assert "learner finishing" in line and "ALERT" not in line
     snap.unreachable.append("router")  # anything else still alerts

@@ -57,6 +57,7 @@ class Snapshot:
     episodes: int | None = None
     failed_episodes: int | None = None
     broadcaster_version: int | None = None
+    published_step: int | None = None  # the learner step whose weights the broadcaster published last
     last_eval: dict[str, Any] | None = None
     unreachable: list[str] = field(default_factory=list)
 
@@ -103,6 +104,7 @@ def gather(addresses: dict[str, str], redis_url: str, run_id: str, run_dir: Path
     reply = _ask(snap, addresses, "broadcaster", weights_pb2_grpc.WeightServiceStub, "GetPolicyVersion", version)
     if reply is not None:
         snap.broadcaster_version = int(reply.policy_version.version)
+        snap.published_step = int(reply.policy_version.learner_step)
     _queue_stats(snap, redis_url, run_id)
     evals = read_evals(run_dir / "eval.jsonl")
     snap.last_eval = evals[-1] if evals else None
@@ -139,8 +141,9 @@ def status_line(snap: Snapshot, elapsed_s: float) -> str:
     if snap.last_eval is not None:
         parts.append(f"eval {snap.last_eval['mean_reward']:.3f}@v{snap.last_eval['policy_version']}")
     # The engines serve the last step's weights: a learner that stops answering now is finishing (final
-    # checkpoint, exit), not in trouble.
-    done = bool(snap.max_steps) and snap.router_version is not None and snap.router_version >= snap.max_steps
+    # checkpoint, exit), not in trouble. (Steps, not versions: after a learner restarted behind the
+    # engines the versions run ahead of the steps.)
+    done = bool(snap.max_steps) and snap.published_step is not None and snap.published_step >= snap.max_steps
     if done and "learner" in snap.unreachable:
         parts.append("learner finishing")
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
@@ -172,7 +175,8 @@ def read_evals(path: Path) -> list[dict[str, Any]]:
 
 def plot_rewards(run_dir: Path) -> Path | None:
     """Draws ``<run_dir>/reward.png``: train reward per learner step and held-out eval reward per
-    policy version (= the learner step that produced it) on one axis. Returns None without data."""
+    policy version (the learner step that produced it, unless a learner restarted behind the engines
+    renumbered the versions: docs/refit.md) on one axis. Returns None without data."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede pyplot
@@ -194,7 +198,7 @@ def plot_rewards(run_dir: Path) -> Path | None:
             "o-",
             label="held-out eval reward (per policy version)",
         )
-    axes.set_xlabel("learner step = policy version")
+    axes.set_xlabel("learner step / policy version")
     axes.set_ylabel("episode reward")
     axes.legend(loc="best")
     figure.tight_layout()

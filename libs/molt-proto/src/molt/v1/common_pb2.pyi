@@ -157,7 +157,9 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 @_typing.final
 class PolicyVersion(_message.Message):
     """A version of the trained policy's weights. Version 0 is the initial weights;
-    the weight-broadcaster increments it by one for every validated refit.
+    a validated refit publishes a newer one: the learner step whose weights it
+    holds, unless a learner restarted behind the engines renumbered the versions
+    (docs/refit.md, "Versions across restarts").
     """
 
     DESCRIPTOR: _descriptor.Descriptor

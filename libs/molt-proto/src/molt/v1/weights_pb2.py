@@ -27,15 +27,15 @@ from molt.v1 import common_pb2 as molt_dot_v1_dot_common__pb2
 from molt.v1 import rollout_pb2 as molt_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15molt/v1/weights.proto\x12\x07molt.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14molt/v1/common.proto\x1a\x15molt/v1/rollout.proto\"\x80\x01\n\x1dRegisterWeightEndpointRequest\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.molt.v1.EndpointRole\x12\x14\n\x0cworker_count\x18\x03 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"P\n\x1eRegisterWeightEndpointResponse\x12\x12\n\nfirst_rank\x18\x01 \x01(\x05\x12\x1a\n\x12rendezvous_address\x18\x02 \x01(\t\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\"\xe7\x01\n\x13RefitWeightsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0clearner_step\x18\x02 \x01(\x03\x12$\n\x07tensors\x18\x03 \x03(\x0b\x32\x13.molt.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\x12&\n\npause_mode\x18\x05 \x01(\x0e\x32\x12.molt.v1.PauseMode\x12\x11\n\trun_probe\x18\x06 \x01(\x08\x12\x17\n\x0fprobe_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0eprobe_logprobs\x18\x08 \x03(\x02\"\xd5\x02\n\x0bRefitReport\x12\x12\n\nbyte_count\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x05\x12\x14\n\x0c\x62ucket_count\x18\x03 \x01(\x05\x12+\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0b\x63overage_ok\x18\x05 \x01(\x08\x12\x14\n\x0c\x63hecksums_ok\x18\x06 \x01(\x08\x12\'\n\x1aprobe_max_abs_logprob_diff\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x11transfer_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rload_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.DurationB\x1d\n\x1b_probe_max_abs_logprob_diff\"l\n\x14RefitWeightsResponse\x12.\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x16.molt.v1.PolicyVersion\x12$\n\x06report\x18\x02 \x01(\x0b\x32\x14.molt.v1.RefitReport\"\x19\n\x17GetPolicyVersionRequest\"J\n\x18GetPolicyVersionResponse\x12.\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x16.molt.v1.PolicyVersion\"\x1b\n\x19WatchPolicyVersionRequest\"L\n\x1aWatchPolicyVersionResponse\x12.\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x16.molt.v1.PolicyVersion*b\n\x0c\x45ndpointRole\x12\x1d\n\x19\x45NDPOINT_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NDPOINT_ROLE_LEARNER\x10\x01\x12\x18\n\x14\x45NDPOINT_ROLE_ENGINE\x10\x02\x32\x81\x03\n\rWeightService\x12i\n\x16RegisterWeightEndpoint\x12&.molt.v1.RegisterWeightEndpointRequest\x1a\'.molt.v1.RegisterWeightEndpointResponse\x12K\n\x0cRefitWeights\x12\x1c.molt.v1.RefitWeightsRequest\x1a\x1d.molt.v1.RefitWeightsResponse\x12W\n\x10GetPolicyVersion\x12 .molt.v1.GetPolicyVersionRequest\x1a!.molt.v1.GetPolicyVersionResponse\x12_\n\x12WatchPolicyVersion\x12\".molt.v1.WatchPolicyVersionRequest\x1a#.molt.v1.WatchPolicyVersionResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15molt/v1/weights.proto\x12\x07molt.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14molt/v1/common.proto\x1a\x15molt/v1/rollout.proto\"\x80\x01\n\x1dRegisterWeightEndpointRequest\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.molt.v1.EndpointRole\x12\x14\n\x0cworker_count\x18\x03 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"P\n\x1eRegisterWeightEndpointResponse\x12\x12\n\nfirst_rank\x18\x01 \x01(\x05\x12\x1a\n\x12rendezvous_address\x18\x02 \x01(\t\"J\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\"\x9a\x02\n\x13RefitWeightsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0clearner_step\x18\x02 \x01(\x03\x12$\n\x07tensors\x18\x03 \x03(\x0b\x32\x13.molt.v1.TensorSpec\x12\x14\n\x0c\x62ucket_bytes\x18\x04 \x01(\x03\x12&\n\npause_mode\x18\x05 \x01(\x0e\x32\x12.molt.v1.PauseMode\x12\x11\n\trun_probe\x18\x06 \x01(\x08\x12\x17\n\x0fprobe_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0eprobe_logprobs\x18\x08 \x03(\x02\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x19\n\x11\x63ontinue_versions\x18\n \x01(\x08\"\xd5\x02\n\x0bRefitReport\x12\x12\n\nbyte_count\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x05\x12\x14\n\x0c\x62ucket_count\x18\x03 \x01(\x05\x12+\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0b\x63overage_ok\x18\x05 \x01(\x08\x12\x14\n\x0c\x63hecksums_ok\x18\x06 \x01(\x08\x12\'\n\x1aprobe_max_abs_logprob_diff\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x11transfer_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\rload_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.DurationB\x1d\n\x1b_probe_max_abs_logprob_diff\"l\n\x14RefitWeightsResponse\x12.\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x16.molt.v1.PolicyVersion\x12$\n\x06report\x18\x02 \x01(\x0b\x32\x14.molt.v1.RefitReport\"\x19\n\x17GetPolicyVersionRequest\"J\n\x18GetPolicyVersionResponse\x12.\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x16.molt.v1.PolicyVersion\"\x1b\n\x19WatchPolicyVersionRequest\"L\n\x1aWatchPolicyVersionResponse\x12.\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x16.molt.v1.PolicyVersion*b\n\x0c\x45ndpointRole\x12\x1d\n\x19\x45NDPOINT_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NDPOINT_ROLE_LEARNER\x10\x01\x12\x18\n\x14\x45NDPOINT_ROLE_ENGINE\x10\x02\x32\x81\x03\n\rWeightService\x12i\n\x16RegisterWeightEndpoint\x12&.molt.v1.RegisterWeightEndpointRequest\x1a\'.molt.v1.RegisterWeightEndpointResponse\x12K\n\x0cRefitWeights\x12\x1c.molt.v1.RefitWeightsRequest\x1a\x1d.molt.v1.RefitWeightsResponse\x12W\n\x10GetPolicyVersion\x12 .molt.v1.GetPolicyVersionRequest\x1a!.molt.v1.GetPolicyVersionResponse\x12_\n\x12WatchPolicyVersion\x12\".molt.v1.WatchPolicyVersionRequest\x1a#.molt.v1.WatchPolicyVersionResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'molt.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENDPOINTROLE']._serialized_start=1298
-  _globals['_ENDPOINTROLE']._serialized_end=1396
+  _globals['_ENDPOINTROLE']._serialized_start=1349
+  _globals['_ENDPOINTROLE']._serialized_end=1447
   _globals['_REGISTERWEIGHTENDPOINTREQUEST']._serialized_start=112
   _globals['_REGISTERWEIGHTENDPOINTREQUEST']._serialized_end=240
   _globals['_REGISTERWEIGHTENDPOINTRESPONSE']._serialized_start=242
@@ -43,19 +43,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORSPEC']._serialized_start=324
   _globals['_TENSORSPEC']._serialized_end=398
   _globals['_REFITWEIGHTSREQUEST']._serialized_start=401
-  _globals['_REFITWEIGHTSREQUEST']._serialized_end=632
-  _globals['_REFITREPORT']._serialized_start=635
-  _globals['_REFITREPORT']._serialized_end=976
-  _globals['_REFITWEIGHTSRESPONSE']._serialized_start=978
-  _globals['_REFITWEIGHTSRESPONSE']._serialized_end=1086
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=1088
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=1113
-  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=1115
-  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=1189
-  _globals['_WATCHPOLICYVERSIONREQUEST']._serialized_start=1191
-  _globals['_WATCHPOLICYVERSIONREQUEST']._serialized_end=1218
-  _globals['_WATCHPOLICYVERSIONRESPONSE']._serialized_start=1220
-  _globals['_WATCHPOLICYVERSIONRESPONSE']._serialized_end=1296
-  _globals['_WEIGHTSERVICE']._serialized_start=1399
-  _globals['_WEIGHTSERVICE']._serialized_end=1784
+  _globals['_REFITWEIGHTSREQUEST']._serialized_end=683
+  _globals['_REFITREPORT']._serialized_start=686
+  _globals['_REFITREPORT']._serialized_end=1027
+  _globals['_REFITWEIGHTSRESPONSE']._serialized_start=1029
+  _globals['_REFITWEIGHTSRESPONSE']._serialized_end=1137
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=1139
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=1164
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=1166
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=1240
+  _globals['_WATCHPOLICYVERSIONREQUEST']._serialized_start=1242
+  _globals['_WATCHPOLICYVERSIONREQUEST']._serialized_end=1269
+  _globals['_WATCHPOLICYVERSIONRESPONSE']._serialized_start=1271
+  _globals['_WATCHPOLICYVERSIONRESPONSE']._serialized_end=1347
+  _globals['_WEIGHTSERVICE']._serialized_start=1450
+  _globals['_WEIGHTSERVICE']._serialized_end=1835
 # @@protoc_insertion_point(module_scope)

@@ -163,6 +163,8 @@ class RefitWeightsRequest(_message.Message):
     RUN_PROBE_FIELD_NUMBER: _builtins.int
     PROBE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PROBE_LOGPROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    CONTINUE_VERSIONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Learner-chosen id; a retried request with the same id does not refit twice."""
     learner_step: _builtins.int
@@ -173,6 +175,17 @@ class RefitWeightsRequest(_message.Message):
     """How to pause the router; unspecified = the broadcaster's configured mode."""
     run_probe: _builtins.bool
     """Run the teacher-forced logprob probe (engine vs learner) as part of validation."""
+    policy_version: _builtins.int
+    """The version to publish these weights as; 0 = learner_step. Must be newer
+    than the newest version (the published one, or the router's when it
+    serves a newer one), else INVALID_ARGUMENT (VERSION_NOT_NEWER).
+    """
+    continue_versions: _builtins.bool
+    """A learner's first refit after it starts: publish as policy_version (or
+    learner_step) when that is not older than the newest version, else as the
+    version after the newest. A learner restarted from a checkpoint behind the
+    engines' version continues the numbering; the response says which version.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Every tensor, in broadcast order; a tied lm_head appears once."""
@@ -198,10 +211,12 @@ class RefitWeightsRequest(_message.Message):
         run_probe: _builtins.bool = ...,
         probe_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         probe_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_version: _builtins.int = ...,
+        continue_versions: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "learner_step", b"learner_step", "pause_mode", b"pause_mode", "probe_logprobs", b"probe_logprobs", "probe_token_ids", b"probe_token_ids", "request_id", b"request_id", "run_probe", b"run_probe", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_bytes", b"bucket_bytes", "continue_versions", b"continue_versions", "learner_step", b"learner_step", "pause_mode", b"pause_mode", "policy_version", b"policy_version", "probe_logprobs", b"probe_logprobs", "probe_token_ids", b"probe_token_ids", "request_id", b"request_id", "run_probe", b"run_probe", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -180,5 +180,6 @@ class Checkpoints:
         random.setstate(extra["python_rng"])
         state = RunState.from_json((path / "state.json").read_text())
         trainer.step = state.step
+        trainer.version_offset = state.policy_version - state.step
         log.info("resumed from checkpoint", extra={"step": state.step, "path": str(path)})
         return state

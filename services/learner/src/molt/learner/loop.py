@@ -15,7 +15,12 @@ duplicates (the consumed ids are part of the checkpoint), the others are
 trained again on the restored weights.
 
 After every step ``on_step(step, model)`` runs on rank 0: the seam for the
-weight-broadcaster (issue #6).
+weight-broadcaster. With the ``WeightPublisher`` as the hook, the first step
+after the learner starts is preceded by a refit of the weights as they are
+(restored from a checkpoint or initial): the engines may hold other ones (a
+restarted learner behind them). Its version is the learner's
+(``step + version_offset``) if newer than the engines', else the one after
+theirs, and the learner numbers on from there (the offset is checkpointed).
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class LearnerLoop:
         self._lock = threading.Lock()
         self._requests = _Requests()
         self._pending_reread = True
+        self._weights_published = False  # the first refit (see the module docstring) is done
         self._finished = False  # set under the lock once run() can no longer serve requests
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -248,6 +254,8 @@ class LearnerLoop:
         return kept
 
     def _train_one_step(self) -> None:
+        if isinstance(self.on_step, WeightPublisher) and self.settings.refit_every > 0 and not self._weights_published:
+            self._publish_first()
         groups, self.ready = self.ready[: self.settings.groups_per_step], self.ready[self.settings.groups_per_step :]
         self.settled.extend(g.entry_id for g in groups)
         samples = self._trainable(groups)
@@ -273,12 +281,34 @@ class LearnerLoop:
             dropped = {f"dropped/{reason}": float(n) for reason, n in self.state.dropped.items()}
             self.metrics.record(step, {**step_metrics, **dropped})
         if self.on_step is not None:
-            if isinstance(self.on_step, WeightPublisher) and self.on_step.wants(step):
+            if not isinstance(self.on_step, WeightPublisher):
+                self.on_step(step, self.trainer.model)
+            elif self.on_step.wants(step):
                 # The publisher's gather (and probe forward) is a collective of every rank.
                 self._broadcast(("refit", self.on_step.next_probe()))
-            self.on_step(step, self.trainer.model)
+                self.on_step(step, self.trainer.model, version=self.trainer.policy_version)
         if step % self.settings.checkpoint_every == 0:
             self._checkpoint()
+
+    def _publish_first(self) -> None:
+        """The first refit after the start, before the first step is filtered and trained."""
+        assert isinstance(self.on_step, WeightPublisher)
+        self._broadcast(("refit", self.on_step.next_probe()))
+        version = self.on_step.publish_first(self.state.step, self.trainer.policy_version, self.trainer.model)
+        offset = version - self.state.step
+        if offset != self.trainer.version_offset:
+            log.warning(
+                "the engines were ahead of this learner: its weights are published as version %d, and the "
+                "versions of its steps go on from there",
+                version,
+                extra={"step": self.state.step, "previousVersion": self.trainer.policy_version},
+            )
+        self.trainer.version_offset = offset
+        self._broadcast(("version_offset", offset))
+        with self._lock:
+            self.state.policy_version = version
+        prom.POLICY_VERSION.set(version)
+        self._weights_published = True
 
     def _checkpoint(self) -> CheckpointInfo:
         """Writes a checkpoint of the current step (unless there is one), then acknowledges the settled
@@ -350,6 +380,8 @@ class LearnerLoop:
                 self.checkpoints.save(self.trainer, payload)
             elif command == "refit":
                 gather_for_refit(self.trainer.model, payload)
+            elif command == "version_offset":
+                self.trainer.version_offset = payload
             else:
                 return
 

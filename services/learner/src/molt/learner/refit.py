@@ -6,7 +6,9 @@ collective, so followers run it too), computes the probe logprobs, asks the
 weight-broadcaster to refit (``RefitWeights``, in a thread: the call returns
 only after validation), waits in the group's store for the broadcaster's go,
 joins the weight group when its generation changed, and broadcasts the
-buckets as rank 0. With ``refit_overlap`` (the default) everything after the
+buckets as rank 0. Each refit publishes the weights of a step as the
+learner's policy version of that step (``step`` unless a restart renumbered
+them: ``publish_first``). With ``refit_overlap`` (the default) everything after the
 gather runs in a background thread on a snapshot of the weights, so the loop
 trains the next step meanwhile; one refit is in flight at a time (the next
 waits for it). A failed refit raises, at the latest one step later: the loop
@@ -24,6 +26,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from uuid import uuid4
 
 import grpc
 import torch
@@ -94,6 +97,9 @@ class WeightPublisher:
         self.refits = 0  # started by this process through __call__
         self.in_flight: Future[weights_pb2.RefitWeightsResponse] | None = None
         self.sender = ThreadPoolExecutor(1, thread_name_prefix="refit-send")
+        # In every request id: a restarted learner may send a version again that an earlier one of the run
+        # sent (its refit cut short), and the broadcaster keeps ids (answers, the group store's go key).
+        self.nonce = uuid4().hex[:8]
 
     def next_probe(self) -> list[int]:
         """The probe tokens of the next refit: every ``refit_probe_every``-th one, the first included."""
@@ -124,7 +130,9 @@ class WeightPublisher:
     def wants(self, step: int) -> bool:
         return self.settings.refit_every > 0 and step % self.settings.refit_every == 0
 
-    def __call__(self, step: int, model: nn.Module) -> None:
+    def __call__(self, step: int, model: nn.Module, version: int | None = None) -> None:
+        """Publishes ``model``'s weights as those of ``step`` at ``version`` (default ``step``) when
+        ``wants(step)``; in the background with ``refit_overlap``."""
         if not self.wants(step):
             return
         self.wait()
@@ -132,21 +140,39 @@ class WeightPublisher:
         self.refits += 1
         state, probe_logprobs = gather_for_refit(model, probe)
         if not self.settings.refit_overlap:
-            self.publish(step, state, probe_logprobs if probe else None, probe=probe)
+            self.publish(step, state, probe_logprobs if probe else None, probe=probe, version=version)
             return
         self.in_flight = self.sender.submit(
-            self._publish_aside, step, snapshot(state, model), probe_logprobs if probe else None, probe
+            self._publish_aside, step, snapshot(state, model), probe_logprobs if probe else None, probe, version
         )
 
+    def publish_first(self, step: int, version: int, model: nn.Module) -> int:
+        """The learner's first refit after it starts (synchronous): ``model``'s weights as ``version``,
+        or, when the engines are at that version or past it, as the one after theirs; returns the
+        version published."""
+        self.wait()
+        probe = self.next_probe()
+        self.refits += 1
+        state, probe_logprobs = gather_for_refit(model, probe)
+        response = self.publish(
+            step, state, probe_logprobs if probe else None, probe=probe, version=version, continue_versions=True
+        )
+        return response.policy_version.version
+
     def _publish_aside(
-        self, step: int, state: dict[str, Tensor], probe_logprobs: list[float] | None, probe: list[int]
+        self,
+        step: int,
+        state: dict[str, Tensor],
+        probe_logprobs: list[float] | None,
+        probe: list[int],
+        version: int | None,
     ) -> weights_pb2.RefitWeightsResponse:
         """``publish`` in the sender thread. On a GPU its copies and NCCL waits go on a stream of their
         own: on the default stream they would hold back the training kernels queued behind them."""
         if not torch.cuda.is_available():
-            return self.publish(step, state, probe_logprobs, probe=probe)
+            return self.publish(step, state, probe_logprobs, probe=probe, version=version)
         with torch.cuda.stream(torch.cuda.Stream()):
-            return self.publish(step, state, probe_logprobs, probe=probe)
+            return self.publish(step, state, probe_logprobs, probe=probe, version=version)
 
     @staticmethod
     def manifest(state: dict[str, Tensor]) -> list[TensorMeta]:
@@ -160,20 +186,28 @@ class WeightPublisher:
         probe_logprobs: list[float] | None,
         manifest: list[TensorMeta] | None = None,
         probe: list[int] | None = None,
+        version: int | None = None,
+        continue_versions: bool = False,
     ) -> weights_pb2.RefitWeightsResponse:
-        """One refit of ``state`` as the weights of ``step``; returns the broadcaster's response.
+        """One refit of ``state`` as the weights of ``step`` at policy ``version`` (default ``step``);
+        returns the broadcaster's response.
 
         ``probe_logprobs`` score ``probe`` (default ``self.probe``); None runs no probe. ``manifest``
         defaults to ``self.manifest(state)``; tests pass another one to cause the fault of bytes
-        that differ from what was announced."""
+        that differ from what was announced. ``continue_versions``: a first refit after the
+        learner started (see the broadcaster's ``RefitWeightsRequest``)."""
         if self.store is None:
             self.register()
         assert self.store is not None
         started = time.perf_counter()
         metas = manifest if manifest is not None else self.manifest(state)
+        version = step if version is None else version
+        request_id = f"{self.settings.run.run_id}-{self.nonce}-" + ("first" if continue_versions else f"v{version}")
         request = weights_pb2.RefitWeightsRequest(
-            request_id=f"{self.settings.run.run_id}-step-{step}",
+            request_id=request_id,
             learner_step=step,
+            policy_version=version,
+            continue_versions=continue_versions,
             tensors=[
                 weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape), checksum=m.checksum)
                 for m in metas

@@ -204,6 +204,9 @@ class Trainer:
             )
             self.critic_scheduler = LambdaLR(self.critic_optimizer, lambda step: lr_factor(step, opt))
         self.step = 0
+        # Policy version = step + offset. 0 unless the engines were ahead of a restarted learner: its first
+        # refit is then published after their version and the numbering goes on from there.
+        self.version_offset = 0
 
     def compile(self) -> None:
         """What ``compile = true`` does: each decoder layer and the logprob head through ``torch.compile``."""
@@ -212,7 +215,7 @@ class Trainer:
 
     @property
     def policy_version(self) -> int:
-        return self.step
+        return self.step + self.version_offset
 
     def train_step(self, batch: StepBatch) -> dict[str, float]:
         """One RL optimizer step on the global batch; returns the step's metrics (identical on every rank)."""

@@ -23,8 +23,17 @@ One refit, for request id R (the learner's):
    refit (a restarted learner resumes from its checkpoint and sends one): it
    rewrites every weight, and only when it validates does the router resume;
    a refused one leaves the router paused, since the old weights are gone.
-5. Publish: version = the learner's step; Redis key, WatchPolicyVersion
-   streams; resume the router at that version.
+5. Publish: version = the request's ``policy_version`` (default: the learner's
+   step); Redis key, WatchPolicyVersion streams; resume the router at that
+   version.
+
+Versions only grow. The newest one is the published one or, before this
+process has published any, the router's (a restarted broadcaster in front of
+engines that kept theirs). A version not newer is refused, except in a
+learner's first refit after it starts (``continue_versions``): a learner
+restarted from the checkpoint of the newest version publishes it again, and one
+restarted from a checkpoint behind the engines publishes its weights as the
+version after the newest and numbers on from there.
 """
 
 from __future__ import annotations
@@ -122,6 +131,7 @@ class Broadcaster:
         self.router = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
         self.paused_by_failure: str | None = None
+        self.router_version = -1  # the router's version when this process first refits; -1: not asked yet
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -204,13 +214,9 @@ class Broadcaster:
                     "refit over a failed one: the engines stay paused unless it validates",
                     extra={"earlier_failure": self.paused_by_failure, "request_id": request.request_id},
                 )
-            if request.learner_step <= self.published.version.version and self.published.version.version > 0:
-                raise InvalidInput(
-                    f"learner_step {request.learner_step} is not newer than the published version "
-                    f"{self.published.version.version}"
-                )
+            version = await self._version_of(request)
             try:
-                response = await asyncio.wait_for(self._refit(request, metas), self.settings.refit_timeout_s)
+                response = await asyncio.wait_for(self._refit(request, metas, version), self.settings.refit_timeout_s)
             except TimeoutError as exc:
                 metrics.REFITS.labels(outcome="timeout").inc()
                 self.group.learner_joined = False  # the group may be mid-collective: rebuild it next time
@@ -219,6 +225,32 @@ class Broadcaster:
                 ) from exc
             self.responses[request.request_id] = response
             return response
+
+    async def _version_of(self, request: weights_pb2.RefitWeightsRequest) -> int:
+        """The version ``request``'s weights will be published as (see the module docstring)."""
+        if self.router_version < 0:
+            try:
+                status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
+            self.router_version = status.policy_version
+        newest = max(self.published.version.version, self.router_version)
+        asked = request.policy_version or request.learner_step
+        if asked > newest or newest == 0:
+            return asked
+        if request.continue_versions and asked == newest:
+            return asked  # a learner restarted from the checkpoint of the weights the engines serve
+        if request.continue_versions:
+            log.info(
+                "a learner's first refit continues after the newest version",
+                extra={"learner_step": request.learner_step, "asked": asked, "newest": newest},
+            )
+            return newest + 1
+        raise InvalidInput(
+            f"policy version {asked} (learner_step {request.learner_step}) is not newer than the newest "
+            f"version {newest}",
+            reason="VERSION_NOT_NEWER",
+        )
 
     def _manifest(self, request: weights_pb2.RefitWeightsRequest) -> list[TensorMeta]:
         if not request.tensors:
@@ -237,7 +269,7 @@ class Broadcaster:
         return metas
 
     async def _refit(
-        self, request: weights_pb2.RefitWeightsRequest, metas: list[TensorMeta]
+        self, request: weights_pb2.RefitWeightsRequest, metas: list[TensorMeta], version_number: int
     ) -> weights_pb2.RefitWeightsResponse:
         assert self.store is not None
         clock = PhaseClock()
@@ -280,7 +312,7 @@ class Broadcaster:
             probed = request.run_probe and self.settings.probe
             if probed:
                 running = True
-                worst = await self._probe(request)
+                worst = await self._probe(request, version_number)
                 clock.lap("probe")
                 report.probe_max_abs_logprob_diff = worst
                 if worst > self.settings.probe_tolerance:
@@ -288,7 +320,7 @@ class Broadcaster:
                         f"probe: engine and learner logprobs differ by up to {worst:.3g} "
                         f"(> tolerance {self.settings.probe_tolerance})"
                     )
-            version = await self._publish(request.learner_step)
+            version = await self._publish(version_number, request.learner_step)
             clock.lap("publish")
             await self._resume(version.version)
             resumed = True
@@ -377,13 +409,11 @@ class Broadcaster:
 
         return "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
 
-    async def _probe(self, request: weights_pb2.RefitWeightsRequest) -> float:
+    async def _probe(self, request: weights_pb2.RefitWeightsRequest, version: int) -> float:
         """The largest |engine - learner| probe logprob; the engines resume for it and stay running."""
         tokens = list(request.probe_token_ids)
         expected = list(request.probe_logprobs)
-        results = await asyncio.gather(
-            *(e.actor.probe.remote(tokens, request.learner_step) for e in self.engines.values())
-        )
+        results = await asyncio.gather(*(e.actor.probe.remote(tokens, version) for e in self.engines.values()))
         return max(abs(a - b) for got in results for a, b in zip(got, expected, strict=True))
 
     async def _pause_again(self) -> None:
@@ -396,10 +426,10 @@ class Broadcaster:
         except Exception:
             log.exception("could not pause the engines again after a failed refit")
 
-    async def _publish(self, learner_step: int) -> common_pb2.PolicyVersion:
+    async def _publish(self, number: int, learner_step: int) -> common_pb2.PolicyVersion:
         now = Timestamp()
         now.GetCurrentTime()
-        version = common_pb2.PolicyVersion(version=learner_step, learner_step=learner_step, publish_time=now)
+        version = common_pb2.PolicyVersion(version=number, learner_step=learner_step, publish_time=now)
         if self.redis is not None:
             await self.redis.set(
                 version_key(self.settings.run.run_id),
