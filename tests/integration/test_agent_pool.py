@@ -27,6 +27,7 @@ from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.service import VersionWatch, env_runner
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import RedisServer, ServiceProcess, free_port
+from molt.learner.synthetic import named_group
 from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -381,27 +382,38 @@ async def started_groups(pool: RolloutPool, count: int, timeout_s: float) -> Non
         await asyncio.sleep(0.05)
 
 
+def fresh_queue(queue: TrajectoryQueue, backlog: int = 0) -> None:
+    """Empties the run's stream (earlier tests leave groups no learner read), then queues ``backlog``
+    groups that none reads."""
+    queue.client.delete(queue.keys.stream)
+    queue.put_many([named_group(f"backlog-{time.time_ns()}-{i}", [1.0, 0.0], run_id=RUN) for i in range(backlog)])
+
+
 def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    """max_staleness 0, one group per step: group k starts only once the policy version is >= k. While held
-    back the pool asks the router itself (``VersionWatch.wait_newer``, without a broadcaster: every 50 ms):
-    no background watch runs here, so the next group starts only because the pool saw the new version on
-    its own."""
+    """max_staleness 0, one group per step, a pool started at version ``base`` behind one group the
+    learner has not read: that group is trained at version ``base``, so the pool's group k waits for
+    version ``base + 1 + k``. While held back the pool asks the router itself
+    (``VersionWatch.wait_newer``, without a broadcaster: every 50 ms): no background watch runs here,
+    so the next group starts only because the pool saw the new version on its own."""
     cfg, env = one_group_per_version(tmp_path, router, redis_server.url)
 
     async def main() -> None:
         rc, watch, runner, queue = await pool_parts(cfg, env, router, redis_client)
-        base = await watch.refresh()  # groups 0..base may start now; group base + 1 needs version base + 1
+        await asyncio.to_thread(bump_router_version, router.address, 2)  # a run under way: version > 1
+        base = await watch.refresh()
+        await asyncio.to_thread(fresh_queue, queue, 1)
         pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
-        pool.start(max_groups=base + 3)
-        await started_groups(pool, base + 1, 60)
+        pool.start(max_groups=3)
         await asyncio.sleep(1.0)
-        assert pool.stats.started_groups == base + 1 and pool.stats.backpressured
-        assert await asyncio.to_thread(bump_router_version, router.address) == base + 1
-        await started_groups(pool, base + 2, 60)
-        await asyncio.sleep(1.0)
-        assert pool.stats.started_groups == base + 2  # group base + 2 still needs version base + 2
+        assert (pool.stats.start_version, pool.stats.backlog_groups) == (base, 1)
+        assert pool.stats.started_groups == 0 and pool.stats.backpressured
+        for started in (1, 2):
+            assert await asyncio.to_thread(bump_router_version, router.address) == base + started
+            await started_groups(pool, started, 60)
+            await asyncio.sleep(1.0)
+            assert pool.stats.started_groups == started  # the next group needs the next version
         await pool.stop(drain=True)
         await rc.close()
 
@@ -412,32 +424,34 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     """The staleness gate counts only groups the learner can still train on (docs/queue.md, "Pacing a
-    producer"). max_staleness 0, one group per step, the router's version fixed: held back at group
-    base + 1, the pool starts exactly one more when the learner reports a group it settled without
+    producer"). max_staleness 0, one group per step, the router's version fixed: held back at its
+    second group, the pool starts exactly one more when the learner reports a group it settled without
     training; and with a filter that drops every group, it keeps starting groups at the same version."""
     cfg, env = one_group_per_version(tmp_path, router, redis_server.url)
 
     async def main() -> None:
         rc, watch, runner, queue = await pool_parts(cfg, env, router, redis_client)
         base = await watch.refresh()
+        await asyncio.to_thread(fresh_queue, queue)
 
         pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
-        pool.start(max_groups=base + 4)
-        await started_groups(pool, base + 1, 60)
+        pool.start(max_groups=4)
+        await started_groups(pool, 1, 60)
         await asyncio.sleep(1.0)
-        assert pool.stats.started_groups == base + 1 and pool.stats.backpressured
+        assert pool.stats.started_groups == 1 and pool.stats.backpressured
         await asyncio.to_thread(queue.skip, [f"skipped-{time.time_ns()}"])  # as the learner does for a group
-        await started_groups(pool, base + 2, 30)
+        await started_groups(pool, 2, 30)
         await asyncio.sleep(1.0)
-        assert pool.stats.started_groups == base + 2 and pool.stats.learner_skipped_groups == 1
+        assert pool.stats.started_groups == 2 and pool.stats.learner_skipped_groups == 1
         await pool.stop(drain=True)
 
+        await asyncio.to_thread(fresh_queue, queue)
         dropping = cfg.model_copy(
             update={"filter": cfg.filter.model_copy(update={"enabled": True, "low": 1.0, "high": 2.0})}
         )
         pool = RolloutPool(dropping, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
-        pool.start(max_groups=base + 4)
-        await started_groups(pool, base + 4, 120)  # each filtered group lets the next one start
+        pool.start(max_groups=4)
+        await started_groups(pool, 4, 120)  # each filtered group lets the next one start
         await pool.wait_idle()
         assert sum(pool.stats.filtered_groups.values()) == pool.stats.unqueued_groups >= 3
         assert await watch.refresh() == base

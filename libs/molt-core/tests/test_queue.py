@@ -103,6 +103,7 @@ def test_put_many_batches_keep_the_dedupe_and_the_bound(redis_client: redis.Redi
     assert all(r.entry_id is not None and r.duplicate_ids == () for r in clean)
     with pytest.raises(Backpressure):  # 4 queued: a fifth does not fit
         queue.put_many([make_group()], timeout=0)
+    assert queue.put_many([]) == []  # nothing to put: no round trip (Redis refuses an empty SMISMEMBER)
     entries = queue.read(count=10)
     assert [len(e.group.trajectories) for e in entries] == [2, 2, 2, 2]
     ids = [t.trajectory_id for e in entries for t in e.group.trajectories]

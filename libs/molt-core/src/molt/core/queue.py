@@ -163,6 +163,8 @@ class TrajectoryQueue:
             problems = group_problems(group, self.keys.run_id)
             if problems:
                 raise InvalidInput("malformed TrajectoryGroup: " + "; ".join(problems), reason="MALFORMED_GROUP")
+        if not groups:
+            return []
         deadline = None if timeout is None else time.monotonic() + timeout
         payloads = [group.SerializeToString() for group in groups]
         entry_ids = self._put_transaction(groups, payloads)

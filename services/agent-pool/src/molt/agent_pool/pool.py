@@ -84,6 +84,8 @@ class PoolStats:
     queued_groups: int = 0
     unqueued_groups: int = 0  # finished but not queued: filtered, no episode, or every trajectory a duplicate
     learner_skipped_groups: int = 0  # queued, then settled by the learner without training (since this pool began)
+    backlog_groups: int = 0  # queued before this pool began and not yet read by the learner (at its start)
+    start_version: int = 0  # the policy version when this pool began producing
     queued_trajectories: int = 0
     recent_rewards: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     backpressured: bool = False
@@ -129,9 +131,10 @@ class RolloutPool:
 
     @property
     def trainable_index(self) -> int:
-        """The next group's place among the groups the learner can still train on."""
+        """The next group's place among the groups the learner can still train on, counted from this
+        pool's start: the backlog it found in the queue comes first."""
         s = self.stats
-        return s.started_groups - s.unqueued_groups - s.learner_skipped_groups
+        return s.backlog_groups + s.started_groups - s.unqueued_groups - s.learner_skipped_groups
 
     async def stop(self, drain: bool) -> int:
         """Stops starting groups; waits for in-flight ones (drain) or cancels them. Returns abandoned episodes."""
@@ -152,7 +155,17 @@ class RolloutPool:
 
     async def _produce(self, max_groups: int) -> None:
         slots = asyncio.Semaphore(self.settings.groups_in_flight)
-        self.skipped_before = await self._learner_skipped()  # a pool started mid-run counts from here
+        # A pool started mid-run (a restart, another pool) counts from here: from the version now and behind
+        # the groups already waiting for the learner. Counted from 0 at version 0 instead, a pool started at
+        # version 100 would start ~100 steps' worth of groups unpaced, most of them stale when trained.
+        self.skipped_before = await self._learner_skipped()
+        self.stats.start_version = self.policy_version()
+        self.stats.backlog_groups = await self._backlog()
+        if self.stats.start_version or self.stats.backlog_groups:
+            log.info(
+                "pacing from the run's current state",
+                extra={"policy_version": self.stats.start_version, "backlog_groups": self.stats.backlog_groups},
+            )
         while max_groups == 0 or self.stats.started_groups < max_groups:
             await slots.acquire()
             await self._wait_for_learner()
@@ -162,7 +175,11 @@ class RolloutPool:
             task.add_done_callback(lambda t: (self.groups.discard(t), slots.release()))
 
     def _needed_version(self) -> int:
-        return self.trainable_index // self.settings.groups_per_step - self.settings.max_staleness
+        return (
+            self.stats.start_version
+            + self.trainable_index // self.settings.groups_per_step
+            - self.settings.max_staleness
+        )
 
     async def _wait_for_learner(self) -> None:
         while self.policy_version() < (needed := self._needed_version()):
@@ -185,6 +202,14 @@ class RolloutPool:
                 self.stats.learner_skipped_groups = skipped - self.skipped_before
         self.stats.backpressured = False
         metrics.BACKPRESSURED.set(0)
+
+    async def _backlog(self) -> int:
+        """Groups in the queue that no consumer has read yet (0 when Redis cannot say now)."""
+        try:
+            return (await asyncio.to_thread(self.queue.stats)).lag
+        except RedisError as exc:
+            log.warning("cannot read the queue's backlog", extra={"error": str(exc)})
+            return 0
 
     async def _learner_skipped(self) -> int | None:
         """The queue's count of groups the learner skipped (None when Redis cannot say now)."""

@@ -38,7 +38,7 @@ class VersionWatch:
     before the router resumes generation: a pool held back by staleness then starts its next groups
     at once (their requests wait at the router until the resume releases them together) instead of
     on its next question to the router. Versions only go up within a run (the broadcaster refuses
-    an older learner step), so the watch keeps the highest it has heard of.
+    an older version), so the watch keeps the highest it has heard of.
     """
 
     def __init__(self, router: RouterClient) -> None:
