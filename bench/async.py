@@ -142,11 +142,14 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
 
 
 def refit_phases(broadcaster_log: Path, skip: int) -> dict[str, tuple[float, float]]:
-    """Per phase of the broadcaster's refits after the first ``skip``: (median, p90) in ms."""
+    """Per phase of the broadcaster's refits of the steps after the first ``skip`` (versions > skip: the
+    refit before the first step is version 0): (median, p90) in ms."""
     phases: dict[str, list[float]] = {}
     lines = [line for line in broadcaster_log.read_text(errors="replace").splitlines() if '"refit published"' in line]
-    for line in lines[skip:]:
-        for name, seconds in json.loads(line)["phase_seconds"].items():
+    for record in (json.loads(line) for line in lines):
+        if record["version"] <= skip:
+            continue
+        for name, seconds in record["phase_seconds"].items():
             phases.setdefault(name, []).append(seconds * 1000)
     return {
         name: (statistics.median(values), sorted(values)[int(0.9 * (len(values) - 1))])
