@@ -6,14 +6,19 @@ and weight-broadcaster. Checked afterwards: the policy version advanced once per
 step and every refit validated; the trajectories left in the queue carry the
 per-token versions that sampled them; and no trajectory was lost or counted
 twice: every id ever queued is either trained (in the final checkpoint),
-dropped by the learner with a counted reason, or still in the stream.
+dropped by the learner with a counted reason, or still in the stream. A second
+run kills the learner mid-run: molt up restarts it, it resumes from its
+checkpoint behind the engines and numbers its versions on after theirs.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,23 +45,18 @@ def log_records(path: Path) -> list[dict[str, object]]:
     return records
 
 
-def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
-    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
-) -> None:
-    run_id = "e2e"
-    run_dir = tmp_path / "run"
+def molt_up_args(run_dir: Path, run_id: str, tiny_model: Path, redis_url: str, extra: dict[str, str]) -> list[str]:
+    """``molt up recipes/tiny-cpu.toml`` on the test's Redis and tiny model, shortened, with ``extra`` sets."""
     sets = {
         "run.run_id": f'"{run_id}"',
-        "run.redis_url": f'"{redis_server.url}"',
+        "run.redis_url": f'"{redis_url}"',
         "router.engine.model_path": f'"{tiny_model}"',
         "learner.model_path": f'"{tiny_model}"',
         "agent_pool.tokenizer_path": f'"{tiny_model}"',
         "launcher.build_tiny_model": "false",
         "learner.sft.epochs": "2",
-        "learner.max_steps": str(STEPS),
-        "learner.checkpoint_every": "2",
         "agent_pool.eval.enabled": "false",
-        "learner.refit_probe_every": "2",  # probed refits and unprobed ones (the recipe probes every 10th)
+        **extra,
     }
     for key in ("router", "broadcaster", "learner", "agent_pool"):
         sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
@@ -65,6 +65,50 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
     args = [molt, "up", str(REPO / "recipes/tiny-cpu.toml"), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
+    return args
+
+
+def check_accounting(redis_client: redis.Redis, run_id: str, run_dir: Path, steps: int, newest: int) -> None:
+    """No trajectory lost or counted twice: every id ever queued is trained (in the final checkpoint,
+    of step ``steps``), dropped with a counted reason, or still in the stream, where every token carries
+    a version up to ``newest``."""
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    state = json.loads((checkpoints[-1] / "state.json").read_text())
+    assert state["step"] == steps
+    consumed = set(state["consumed"])
+    dropped = sum(state["dropped"].values())
+
+    remaining: list[str] = []
+    sampled_versions: set[int] = set()
+    for _, fields in redis_client.xrange(f"molt:{run_id}:trajectories"):
+        group = common_pb2.TrajectoryGroup.FromString(fields[b"group"])
+        for trajectory in group.trajectories:
+            remaining.append(trajectory.trajectory_id)
+            versions = list(trajectory.policy_versions)
+            assert len(versions) == len(trajectory.response_token_ids) > 0
+            assert all(0 <= v <= newest for v in versions) and versions == sorted(versions)
+            sampled_versions.update(versions)
+    produced = {member.decode() for member in redis_client.smembers(f"molt:{run_id}:trajectory-ids")}
+    assert len(remaining) == len(set(remaining))
+    assert consumed <= produced and set(remaining) <= produced and not consumed & set(remaining)
+    assert len(produced) == len(consumed) + dropped + len(remaining)
+    assert redis_client.xlen(f"molt:{run_id}:trajectories:dead") == 0
+    # The pool runs ahead of the learner, so groups sampled after refits are still queued: their
+    # tokens carry the newer versions.
+    assert remaining and max(sampled_versions) >= 1
+
+
+def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
+    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    run_id = "e2e"
+    run_dir = tmp_path / "run"
+    extra = {
+        "learner.max_steps": str(STEPS),
+        "learner.checkpoint_every": "2",
+        "learner.refit_probe_every": "2",  # probed refits and unprobed ones (the recipe probes every 10th)
+    }
+    args = molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra)
     out = tmp_path / "molt-up.log"
     with out.open("wb") as sink:
         code = subprocess.run(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=1100).returncode
@@ -85,30 +129,69 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
     stored = json.loads(redis_client.get(f"molt:{run_id}:policy_version"))
     assert stored["version"] == STEPS
     assert (run_dir / "reward.png").stat().st_size > 0
+    check_accounting(redis_client, run_id, run_dir, STEPS, STEPS)
 
-    # What the learner committed: its final checkpoint's consumed ids and drop counts.
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    state = json.loads((checkpoints[-1] / "state.json").read_text())
-    assert state["step"] == STEPS
-    consumed = set(state["consumed"])
-    dropped = sum(state["dropped"].values())
 
-    # What is still queued (produced, not yet acknowledged): every token carries its policy version.
-    remaining: list[str] = []
-    sampled_versions: set[int] = set()
-    for _, fields in redis_client.xrange(f"molt:{run_id}:trajectories"):
-        group = common_pb2.TrajectoryGroup.FromString(fields[b"group"])
-        for trajectory in group.trajectories:
-            remaining.append(trajectory.trajectory_id)
-            versions = list(trajectory.policy_versions)
-            assert len(versions) == len(trajectory.response_token_ids) > 0
-            assert all(0 <= v <= STEPS for v in versions) and versions == sorted(versions)
-            sampled_versions.update(versions)
-    produced = {member.decode() for member in redis_client.smembers(f"molt:{run_id}:trajectory-ids")}
-    assert len(remaining) == len(set(remaining))
-    assert consumed <= produced and set(remaining) <= produced and not consumed & set(remaining)
-    assert len(produced) == len(consumed) + dropped + len(remaining)
-    assert redis_client.xlen(f"molt:{run_id}:trajectories:dead") == 0
-    # The pool runs ahead of the learner, so groups sampled after refits are still queued: their
-    # tokens carry the newer versions.
-    assert remaining and max(sampled_versions) >= 1
+def newest_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def test_a_killed_learner_is_restarted_and_numbers_its_versions_on_after_the_engines(
+    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """``[launcher] learner_restarts = 1``, a checkpoint every 20 of 60 steps. The learner is SIGKILLed
+    once it recorded step 25: its newest checkpoint is step 20 while the engines serve the version of
+    step 25 or later. molt up starts it again (the other services keep running); it resumes at step 20,
+    publishes those weights as the version after the engines' and trains to step 60 under versions
+    numbered on from there. Checked: the run ends 0, published versions only grow, the final checkpoint
+    carries the new numbering, and no trajectory was lost or counted twice."""
+    steps, every, kill_after = 60, 20, 25
+    run_id = "e2e-restart"
+    run_dir = tmp_path / "run"
+    extra = {"learner.max_steps": str(steps), "learner.checkpoint_every": str(every), "launcher.learner_restarts": "1"}
+    args = molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra)
+    out = tmp_path / "molt-up.log"
+    with out.open("wb") as sink:
+        process = subprocess.Popen(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 900
+            while newest_step(run_dir) < kill_after:
+                assert process.poll() is None, log_tail(out, 60)
+                assert time.monotonic() < deadline, "the learner did not reach step 25"
+                time.sleep(0.05)
+            learner_pid = json.loads((run_dir / "state.json").read_text())["processes"]["learner"]["pid"]
+            os.kill(learner_pid, signal.SIGKILL)
+            killed_at = newest_step(run_dir)
+            assert killed_at < 2 * every, f"killed at step {killed_at}: past the next checkpoint"
+            code = process.wait(timeout=900)
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=120)
+    assert code == 0, log_tail(out, 60)
+    assert "restarting it from its newest checkpoint" in out.read_text()
+
+    broadcaster = log_records(run_dir / "logs" / "broadcaster.log")
+    published = [r for r in broadcaster if r.get("message") == "refit published"]
+    versions = [int(r["version"]) for r in published]  # type: ignore[call-overload]
+    assert versions == sorted(set(versions)), "a version was published twice or went backwards"
+    learner = log_records(run_dir / "logs" / "learner.log")
+    resumed = [r for r in learner if r.get("message") == "resumed from checkpoint"]
+    assert [r["step"] for r in resumed] == [every]
+    jumps = [r for r in learner if str(r.get("message", "")).startswith("the engines were ahead")]
+    assert len(jumps) == 1
+    # The restarted learner's first refit: version = the newest before it + 1 > its step 20.
+    # (The killed learner's last refits may have been cut short: the one published last is of step
+    # killed_at - 2 at least.)
+    first = versions.index(int(jumps[0]["version"]))  # type: ignore[call-overload]
+    assert versions[first] == versions[first - 1] + 1 and versions[first - 1] >= killed_at - 2
+    offset = versions[first] - every
+    assert versions[first:] == list(range(versions[first], steps + offset + 1))  # then one per step
+
+    final = json.loads((sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "state.json").read_text())
+    assert (final["step"], final["policy_version"]) == (steps, steps + offset)
+    check_accounting(redis_client, run_id, run_dir, steps, steps + offset)

@@ -63,6 +63,13 @@ class LauncherSettings(BaseModel):
         600.0, gt=0, description="Grace for the agent-pool, which runs a final evaluation when stopped."
     )
     progress_every_s: float = Field(5.0, gt=0, description="Interval of the terminal status line, seconds.")
+    learner_restarts: int = Field(
+        0,
+        ge=0,
+        description="Times molt up starts the learner again when it exits with an error (killed, a failed "
+        "refit): it resumes from its newest checkpoint, publishes those weights before its first step and "
+        "trains on; the other services keep running. 0: the run ends with the learner.",
+    )
     rollout_nice: int | None = Field(
         None,
         ge=0,

@@ -227,27 +227,44 @@ class Launch:
                 # run on the engine's core and oversubscribe it: 1.85x slower steps on 2 cores (bench/async.py).
                 args += ["--cpu_threads", "1"]
             nice = 0 if name == "learner" else self.rollout_nice()
-            child = ChildProcess(args, self.run_dir / "logs" / f"{name}.log", self._env(gpus), nice)
-            self.children[name] = child
-            process = child.spawn()
-            self._record(name, child, address, HEALTH_SERVICES[name])
-            self.say(f"molt: starting {name} at {address} (log {child.log_path})")
-            began = time.monotonic()
-            try:
-                wait_serving(address, HEALTH_SERVICES[name], timeout, process)
-            except RuntimeError as exc:
-                raise RuntimeError(f"{name} {exc}; see {child.log_path}") from exc
-            self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
+            self.children[name] = ChildProcess(args, self.run_dir / "logs" / f"{name}.log", self._env(gpus), nice)
+            self._spawn_service(name, address, timeout)
         self.state.phase = "running"
         self.state.save()
+
+    def _spawn_service(self, name: str, address: str, timeout_s: float) -> None:
+        """Starts ``self.children[name]`` (again) and waits until it serves."""
+        child = self.children[name]
+        process = child.spawn()
+        self._record(name, child, address, HEALTH_SERVICES[name])
+        self.say(f"molt: starting {name} at {address} (log {child.log_path})")
+        began = time.monotonic()
+        try:
+            wait_serving(address, HEALTH_SERVICES[name], timeout_s, process)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{name} {exc}; see {child.log_path}") from exc
+        self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
 
     def _monitor(self, started: float) -> int:
         """Prints the status line until the learner exits (the run's end) or another service dies."""
         every = self.recipe.launcher.progress_every_s
+        restarts = self.recipe.launcher.learner_restarts
         learner = self.children["learner"].process
         assert learner is not None
         while True:
             code = learner.poll()
+            if code is not None and code != 0 and restarts > 0:
+                restarts -= 1
+                self.say(
+                    f"molt: the learner exited with {code}; restarting it from its newest checkpoint "
+                    f"({restarts} restart(s) left; see {self.children['learner'].log_path})"
+                )
+                self.children["learner"].stop(timeout_s=10)  # what is left of its session (Ray-placed ranks)
+                address = connect_address(self.recipe.services["learner"].listen)  # type: ignore[attr-defined]
+                self._spawn_service("learner", address, self.recipe.launcher.start_timeout_s)
+                learner = self.children["learner"].process
+                assert learner is not None
+                continue
             if code is not None:
                 self.say(f"molt: the learner exited with {code}")
                 return 0 if code == 0 else 1

@@ -301,7 +301,7 @@ class LearnerLoop:
                 "the engines were ahead of this learner: its weights are published as version %d, and the "
                 "versions of its steps go on from there",
                 version,
-                extra={"step": self.state.step, "previousVersion": self.trainer.policy_version},
+                extra={"step": self.state.step, "version": version, "previousVersion": self.trainer.policy_version},
             )
         self.trainer.version_offset = offset
         self._broadcast(("version_offset", offset))
