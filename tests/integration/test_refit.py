@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -479,10 +480,11 @@ def test_a_refit_keeping_the_kv_cache(stack_keeping_kv: dict[str, Any]) -> None:
 
 def test_a_learner_restarted_behind_the_engines_numbers_on_after_them(stack: dict[str, Any], tmp_path: Path) -> None:
     """A learner restarts from a checkpoint of step 2 (version 2) while the engines serve a newer
-    version (published by the learner that died). Its first refit, before its first step, publishes
-    the checkpoint's weights as the version after the engines' (a plain one is refused,
-    VERSION_NOT_NEWER); its steps 3 and 4 follow as the versions after that, and the checkpoint
-    carries the new numbering into the next restart."""
+    version (published by the learner that died) and stay paused (its last refit failed its probe).
+    The restarted loop's first refit, before it reads, publishes the checkpoint's weights as the
+    version after the engines' (a plain one is refused, VERSION_NOT_NEWER) and so lets the engines
+    serve again: only then do trajectories come. Its steps 3 and 4 follow as the versions after
+    that, and the checkpoint carries the new numbering into the next restart."""
     settings = stack["settings"].model_copy(
         update={
             "run": RunSettings(run_id=RUN_ID, redis_url=stack["redis"], run_dir=tmp_path / "run"),
@@ -511,6 +513,9 @@ def test_a_learner_restarted_behind_the_engines_numbers_on_after_them(stack: dic
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert detail is not None and detail.reason == "VERSION_NOT_NEWER"
     assert not router_paused(stack["router"])
+    with pytest.raises(grpc.RpcError):  # its last refit failed: the engines stay paused
+        publisher.publish(ahead + 1, state_b, [value - 1.0 for value in probe_b])
+    assert router_paused(stack["router"])
 
     checkpoints = Checkpoints(settings.run.run_dir / "checkpoints", settings.keep_checkpoints)
     dead = Trainer(settings)
@@ -521,9 +526,23 @@ def test_a_learner_restarted_behind_the_engines_numbers_on_after_them(stack: dic
     queue = TrajectoryQueue(redis.Redis.from_url(stack["redis"]), RUN_ID, consumer="learner-0")
     loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, on_step=publisher)
     assert loop.resume() == 2 and trainer.policy_version == 2
-    queue.put_many([named_group(f"restart-{i}", [1.0, 0.0, 0.5, 0.0], run_id=RUN_ID, version=ahead) for i in range(2)])
-    assert loop.run() == 4
-    publisher.close()
+    ended: list[int] = []
+    runner = threading.Thread(target=lambda: ended.append(loop.run()))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while router_paused(stack["router"]):  # no trajectory can come while the engines are paused
+            assert time.monotonic() < deadline and runner.is_alive(), "the restarted learner left the engines paused"
+            time.sleep(0.1)
+        queue.put_many(
+            [named_group(f"restart-{i}", [1.0, 0.0, 0.5, 0.0], run_id=RUN_ID, version=ahead) for i in range(2)]
+        )
+        runner.join(timeout=300)
+    finally:
+        loop.request_stop(save_checkpoint=False)
+        runner.join(timeout=60)
+        publisher.close()
+    assert ended == [4]
 
     assert trainer.policy_version == loop.state.policy_version == ahead + 3
     with grpc.insecure_channel(stack["broadcaster"]) as channel:

@@ -67,7 +67,7 @@ class LauncherSettings(BaseModel):
         0,
         ge=0,
         description="Times molt up starts the learner again when it exits with an error (killed, a failed "
-        "refit): it resumes from its newest checkpoint, publishes those weights before its first step and "
+        "refit): it resumes from its newest checkpoint, publishes those weights before it reads trajectories and "
         "trains on; the other services keep running. 0: the run ends with the learner.",
     )
     rollout_nice: int | None = Field(

@@ -15,10 +15,10 @@ duplicates (the consumed ids are part of the checkpoint), the others are
 trained again on the restored weights.
 
 After every step ``on_step(step, model)`` runs on rank 0: the seam for the
-weight-broadcaster. With the ``WeightPublisher`` as the hook, the first step
-after the learner starts is preceded by a refit of the weights as they are
-(restored from a checkpoint or initial): the engines may hold other ones (a
-restarted learner behind them). Its version is the learner's
+weight-broadcaster. With the ``WeightPublisher`` as the hook, the loop starts
+with a refit of the weights as they are (restored from a checkpoint or
+initial): the engines may hold other ones (a restarted learner behind them), or
+be paused by a refit its predecessor left failed. Its version is the learner's
 (``step + version_offset``) if newer than the engines', else the one after
 theirs, and the learner numbers on from there (the offset is checkpointed).
 """
@@ -123,7 +123,6 @@ class LearnerLoop:
         self._lock = threading.Lock()
         self._requests = _Requests()
         self._pending_reread = True
-        self._weights_published = False  # the first refit (see the module docstring) is done
         self._finished = False  # set under the lock once run() can no longer serve requests
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -180,6 +179,11 @@ class LearnerLoop:
             raise ValueError("rank 0 needs the trajectory queue")
         clock = _Clock(time.monotonic())
         try:
+            publishes = isinstance(self.on_step, WeightPublisher) and self.settings.refit_every > 0
+            if publishes and not self._should_stop():
+                # Before reading: the engines may be paused by a refit the previous learner left failed,
+                # and then no new trajectory comes until this one restores them.
+                self._publish_first()
             while not self._should_stop():
                 self._serve_checkpoint_requests()
                 if len(self.ready) >= self.settings.groups_per_step:
@@ -254,8 +258,6 @@ class LearnerLoop:
         return kept
 
     def _train_one_step(self) -> None:
-        if isinstance(self.on_step, WeightPublisher) and self.settings.refit_every > 0 and not self._weights_published:
-            self._publish_first()
         groups, self.ready = self.ready[: self.settings.groups_per_step], self.ready[self.settings.groups_per_step :]
         self.settled.extend(g.entry_id for g in groups)
         samples = self._trainable(groups)
@@ -291,7 +293,7 @@ class LearnerLoop:
             self._checkpoint()
 
     def _publish_first(self) -> None:
-        """The first refit after the start, before the first step is filtered and trained."""
+        """The first refit after the start, before the first read (see the module docstring)."""
         assert isinstance(self.on_step, WeightPublisher)
         self._broadcast(("refit", self.on_step.next_probe()))
         version = self.on_step.publish_first(self.state.step, self.trainer.policy_version, self.trainer.model)
@@ -308,7 +310,6 @@ class LearnerLoop:
         with self._lock:
             self.state.policy_version = version
         prom.POLICY_VERSION.set(version)
-        self._weights_published = True
 
     def _checkpoint(self) -> CheckpointInfo:
         """Writes a checkpoint of the current step (unless there is one), then acknowledges the settled

@@ -154,10 +154,20 @@ class WeightPublisher:
         probe = self.next_probe()
         self.refits += 1
         state, probe_logprobs = gather_for_refit(model, probe)
-        response = self.publish(
-            step, state, probe_logprobs if probe else None, probe=probe, version=version, continue_versions=True
-        )
-        return response.policy_version.version
+        deadline = time.monotonic() + self.settings.refit_timeout_s
+        while True:
+            try:
+                response = self.publish(
+                    step, state, probe_logprobs if probe else None, probe=probe, version=version, continue_versions=True
+                )
+                return response.policy_version.version
+            except grpc.RpcError as exc:
+                # UNAVAILABLE comes before anything moved (no router or engine yet, started by hand out of
+                # order): wait for them. Anything else is the refit's failure.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                log.warning("the first refit cannot run yet, retrying in 2 s: %s", exc.details())
+                time.sleep(2.0)
 
     def _publish_aside(
         self,
