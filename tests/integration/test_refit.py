@@ -591,3 +591,42 @@ def test_a_restarted_broadcaster_takes_the_routers_version_as_the_newest(stack: 
     assert (response.policy_version.version, response.policy_version.learner_step) == (current + 1, 2)
     assert response.report.probe_max_abs_logprob_diff < 1e-3
     assert set(asyncio.run(sample(stack["router"], seed=41)).policy_versions) == {current + 1}
+
+
+def test_a_learner_that_dies_after_asking_does_not_hold_the_engines(stack: dict[str, Any]) -> None:
+    """A learner that asks for a refit and dies before it sends a byte (the fault, made by hand: a
+    ``RefitWeights`` call with a 3 s deadline and nothing else; the call ends as a dead learner's does).
+    The broadcaster's refit is cancelled before any engine worker blocks on the weight group, so the
+    next learner's refit goes through at once. Before, the workers waited for the dead learner's bytes
+    until the group's timeout (``refit_timeout_s``, 300 s here) and could take no other refit."""
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    publisher.register()
+    with grpc.insecure_channel(stack["router"]) as channel:
+        current = (
+            rollout_pb2_grpc.RolloutServiceStub(channel)
+            .GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+            .policy_version
+        )
+    dead = weights_pb2.RefitWeightsRequest(
+        request_id=f"{RUN_ID}-dead-{time.time_ns()}",
+        learner_step=current + 1,
+        tensors=[
+            weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape), checksum=m.checksum)
+            for m in publisher.manifest(state_b)
+        ],
+        bucket_bytes=64 * 1024,
+    )
+    with grpc.insecure_channel(stack["broadcaster"]) as channel, pytest.raises(grpc.RpcError) as cut:
+        weights_pb2_grpc.WeightServiceStub(channel).RefitWeights(dead, timeout=3)
+    assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    started = time.monotonic()
+    try:
+        response = publisher.publish(current + 2, state_b, probe_b)
+    finally:
+        publisher.close()
+    waited = time.monotonic() - started
+    assert waited < 60, f"the next refit waited {waited:.0f} s for the dead learner's"
+    assert response.policy_version.version == current + 2 and response.report.probe_max_abs_logprob_diff < 1e-3
+    assert not router_paused(stack["router"])
+    assert set(asyncio.run(sample(stack["router"], seed=51)).policy_versions) == {current + 2}

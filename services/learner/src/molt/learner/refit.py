@@ -239,6 +239,7 @@ class WeightPublisher:
             except (RuntimeError, dist.DistStoreError):
                 continue
         go = json.loads(self.store.get(key))
+        self.store.set(f"{key}/read", b"1")  # the broadcaster lets the engines block on the group only now
         if go["generation"] != self.generation:
             if self.group is not None:
                 self.group.close()

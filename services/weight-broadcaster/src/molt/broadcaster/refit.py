@@ -367,6 +367,18 @@ class Broadcaster:
         assert self.store is not None
         world, changed = self._assign_ranks()
         timeout = self.settings.refit_timeout_s
+        bucket_bytes = self._bucket_bytes(request)
+        go = {
+            "generation": self.group.generation,
+            "world_size": world,
+            "backend": self._backend(),
+            "bucket_bytes": bucket_bytes,
+        }
+        self.store.set(f"refit/{request.request_id}", json.dumps(go))
+        # Only once the learner has read the go do the engine workers block on the group: a learner that
+        # died after asking (its call is then cancelled here) must not leave them waiting for its bytes
+        # until the group's timeout, unable to take the next learner's refit.
+        await self._learner_read_go(request.request_id)
         joins = []
         if changed:
             for engine in self.engines.values():
@@ -380,14 +392,6 @@ class Broadcaster:
                     timeout,
                 )
                 joins.append(engine.actor.collective_rpc.remote("join_weight_group", args))
-        bucket_bytes = self._bucket_bytes(request)
-        go = {
-            "generation": self.group.generation,
-            "world_size": world,
-            "backend": self._backend(),
-            "bucket_bytes": bucket_bytes,
-        }
-        self.store.set(f"refit/{request.request_id}", json.dumps(go))
         if joins:
             await asyncio.gather(*joins)
             self.group.learner_joined = True
@@ -401,6 +405,13 @@ class Broadcaster:
             self.group.learner_joined = False
             raise
         return [report for per_engine in results for report in per_engine]
+
+    async def _learner_read_go(self, request_id: str) -> None:
+        """Waits for the learner's ``refit/<id>/read`` key (it writes it before it joins or sends)."""
+        assert self.store is not None
+        key = f"refit/{request_id}/read"
+        while not self.store.check([key]):
+            await asyncio.sleep(0.002)
 
     def _backend(self) -> str:
         if self.backend != "auto":
