@@ -204,6 +204,18 @@ def check_manifest(metas: list[TensorMeta]) -> None:
             raise ValueError(f"tensor {meta.name!r}: negative size in shape {meta.shape}")
 
 
+ABANDONED = b"abandoned"  # the value the broadcaster writes to a refit's ready key when the sender is gone
+
+
+def wait_for_sender(store: dist.Store, ready_key: str) -> None:
+    """Blocks until the sender wrote ``ready_key`` (it does just before it joins or sends: a receiver
+    that blocked on the group earlier would wait out the group's timeout for a sender that died); raises
+    when the broadcaster wrote ``ABANDONED`` there instead."""
+    store.wait([ready_key])
+    if store.get(ready_key) == ABANDONED:
+        raise RuntimeError(f"refit abandoned before the sender came ({ready_key}): the learner is gone")
+
+
 class WeightGroup:
     """A standalone process group over a TCPStore: rank 0 sends, every other rank receives."""
 
@@ -221,6 +233,7 @@ class WeightGroup:
     ) -> None:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, use_libuv=True)
+        self.store = store  # unprefixed: the refits' go and ready keys
         prefixed = dist.PrefixStore(f"molt-weights/{generation}", store)
         self.rank = rank
         self.world_size = world_size

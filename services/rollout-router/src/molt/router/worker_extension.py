@@ -24,12 +24,21 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from molt.core.weightsync import TensorMeta, WeightGroup, check_manifest, manifest_from_json, tensor_checksum
+from molt.core.weightsync import (
+    TensorMeta,
+    WeightGroup,
+    check_manifest,
+    manifest_from_json,
+    tensor_checksum,
+    wait_for_sender,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +85,21 @@ class WeightReceiver:
         return int(getattr(self, "rank", 0))
 
     def join_weight_group(
-        self, host: str, port: int, first_rank: int, world_size: int, backend: str, generation: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        first_rank: int,
+        world_size: int,
+        backend: str,
+        generation: int,
+        timeout_s: float,
+        ready_key: str = "",
     ) -> int:
-        """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined."""
+        """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined.
+        With ``ready_key``, first waits for the learner to be on its way (``wait_for_sender``)."""
+        if ready_key:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+            wait_for_sender(store, ready_key)
         old = getattr(self, "_molt_group", None)
         if old is not None:
             old.close()
@@ -89,11 +110,14 @@ class WeightReceiver:
         )
         return rank
 
-    def receive_weights(self, manifest_json: str, bucket_bytes: int) -> dict[str, Any]:
-        """Receives, validates and (when valid) loads one refit; returns a report (see module docstring)."""
+    def receive_weights(self, manifest_json: str, bucket_bytes: int, ready_key: str = "") -> dict[str, Any]:
+        """Receives, validates and (when valid) loads one refit; returns a report (see module docstring).
+        With ``ready_key``, first waits for the learner to be on its way (``wait_for_sender``)."""
         group: WeightGroup | None = getattr(self, "_molt_group", None)
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
+        if ready_key:
+            wait_for_sender(group.store, ready_key)
         metas = manifest_from_json(manifest_json)
         check_manifest(metas)
         started = time.perf_counter()

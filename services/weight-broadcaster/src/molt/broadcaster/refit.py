@@ -54,7 +54,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
 from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
-from molt.core.weightsync import TensorMeta, check_manifest, manifest_to_json, plan_buckets
+from molt.core.weightsync import ABANDONED, TensorMeta, check_manifest, manifest_to_json, plan_buckets
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
@@ -367,51 +367,48 @@ class Broadcaster:
         assert self.store is not None
         world, changed = self._assign_ranks()
         timeout = self.settings.refit_timeout_s
-        bucket_bytes = self._bucket_bytes(request)
-        go = {
-            "generation": self.group.generation,
-            "world_size": world,
-            "backend": self._backend(),
-            "bucket_bytes": bucket_bytes,
-        }
-        self.store.set(f"refit/{request.request_id}", json.dumps(go))
-        # Only once the learner has read the go do the engine workers block on the group: a learner that
-        # died after asking (its call is then cancelled here) must not leave them waiting for its bytes
-        # until the group's timeout, unable to take the next learner's refit.
-        await self._learner_read_go(request.request_id)
-        joins = []
-        if changed:
-            for engine in self.engines.values():
-                args = (
-                    self.settings.store_host,
-                    self.store_port,
-                    engine.first_rank,
-                    world,
-                    self._backend(),
-                    self.group.generation,
-                    timeout,
-                )
-                joins.append(engine.actor.collective_rpc.remote("join_weight_group", args))
-        if joins:
-            await asyncio.gather(*joins)
-            self.group.learner_joined = True
-        manifest = manifest_to_json(metas)
-        receives = [
-            e.actor.collective_rpc.remote("receive_weights", (manifest, bucket_bytes)) for e in self.engines.values()
-        ]
+        # The engine workers wait for the learner's ready key before they block on the group: a learner
+        # that died after asking (its call is then cancelled here) must not leave them waiting for its
+        # bytes until the group's timeout, unable to take the next refit. On any failure the key is
+        # written ABANDONED (unless the learner wrote it first), which releases them.
+        ready_key = f"refit/{request.request_id}/read"
         try:
+            joins = []
+            if changed:
+                for engine in self.engines.values():
+                    args = (
+                        self.settings.store_host,
+                        self.store_port,
+                        engine.first_rank,
+                        world,
+                        self._backend(),
+                        self.group.generation,
+                        timeout,
+                        ready_key,
+                    )
+                    joins.append(engine.actor.collective_rpc.remote("join_weight_group", args))
+            bucket_bytes = self._bucket_bytes(request)
+            go = {
+                "generation": self.group.generation,
+                "world_size": world,
+                "backend": self._backend(),
+                "bucket_bytes": bucket_bytes,
+            }
+            self.store.set(f"refit/{request.request_id}", json.dumps(go))
+            if joins:
+                await asyncio.gather(*joins)
+                self.group.learner_joined = True
+            manifest = manifest_to_json(metas)
+            receives = [
+                e.actor.collective_rpc.remote("receive_weights", (manifest, bucket_bytes, ready_key))
+                for e in self.engines.values()
+            ]
             results = await asyncio.gather(*receives)
-        except Exception:
+        except BaseException:
+            self.store.compare_set(ready_key, "", ABANDONED)
             self.group.learner_joined = False
             raise
         return [report for per_engine in results for report in per_engine]
-
-    async def _learner_read_go(self, request_id: str) -> None:
-        """Waits for the learner's ``refit/<id>/read`` key (it writes it before it joins or sends)."""
-        assert self.store is not None
-        key = f"refit/{request_id}/read"
-        while not self.store.check([key]):
-            await asyncio.sleep(0.002)
 
     def _backend(self) -> str:
         if self.backend != "auto":
