@@ -135,30 +135,24 @@ class WeightPublisher:
         ``wants(step)``; in the background with ``refit_overlap``."""
         if not self.wants(step):
             return
-        self.wait()
-        probe = self.next_probe()
-        self.refits += 1
-        state, probe_logprobs = gather_for_refit(model, probe)
+        state, probe_logprobs, probe = self._gather(model)
         if not self.settings.refit_overlap:
-            self.publish(step, state, probe_logprobs if probe else None, probe=probe, version=version)
+            self.publish(step, state, probe_logprobs, probe=probe, version=version)
             return
         self.in_flight = self.sender.submit(
-            self._publish_aside, step, snapshot(state, model), probe_logprobs if probe else None, probe, version
+            self._publish_aside, step, snapshot(state, model), probe_logprobs, probe, version
         )
 
     def publish_first(self, step: int, version: int, model: nn.Module) -> int:
         """The learner's first refit after it starts (synchronous): ``model``'s weights as ``version``,
         or, when the engines are at that version or past it, as the one after theirs; returns the
         version published."""
-        self.wait()
-        probe = self.next_probe()
-        self.refits += 1
-        state, probe_logprobs = gather_for_refit(model, probe)
+        state, probe_logprobs, probe = self._gather(model)
         deadline = time.monotonic() + self.settings.refit_timeout_s
         while True:
             try:
                 response = self.publish(
-                    step, state, probe_logprobs if probe else None, probe=probe, version=version, continue_versions=True
+                    step, state, probe_logprobs, probe=probe, version=version, continue_versions=True
                 )
                 return response.policy_version.version
             except grpc.RpcError as exc:
@@ -168,6 +162,15 @@ class WeightPublisher:
                     raise
                 log.warning("the first refit cannot run yet, retrying in 2 s: %s", exc.details())
                 time.sleep(2.0)
+
+    def _gather(self, model: nn.Module) -> tuple[dict[str, Tensor], list[float] | None, list[int]]:
+        """After the refit in flight: the full weights, the probe's logprobs (None when this refit runs
+        no probe) and the probe tokens; counts the refit."""
+        self.wait()
+        probe = self.next_probe()
+        self.refits += 1
+        state, probe_logprobs = gather_for_refit(model, probe)
+        return state, probe_logprobs if probe else None, probe
 
     def _publish_aside(
         self,
@@ -239,7 +242,7 @@ class WeightPublisher:
             except (RuntimeError, dist.DistStoreError):
                 continue
         go = json.loads(self.store.get(key))
-        self.store.set(f"{key}/read", b"1")  # the broadcaster lets the engines block on the group only now
+        self.store.set(f"{key}/read", b"1")  # the engine workers block on the group only once this is written
         if go["generation"] != self.generation:
             if self.group is not None:
                 self.group.close()
