@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,6 +231,20 @@ def router_paused(address: str) -> bool:
         return stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30).paused
 
 
+def broadcaster_status(
+    address: str, until: Callable[[Any], bool] = lambda reply: True, within_s: float = 30.0
+) -> weights_pb2.GetPolicyVersionResponse:
+    """The broadcaster's ``GetPolicyVersion`` answer, asked until ``until`` holds (at most ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    with grpc.insecure_channel(address) as channel:
+        stub = weights_pb2_grpc.WeightServiceStub(channel)
+        while True:
+            reply = stub.GetPolicyVersion(weights_pb2.GetPolicyVersionRequest(), timeout=30)
+            if until(reply) or time.monotonic() > deadline:
+                return reply
+            time.sleep(0.2)
+
+
 def test_failed_probe_keeps_the_router_paused_until_a_refit_validates(stack: dict[str, Any]) -> None:
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
@@ -237,6 +253,7 @@ def test_failed_probe_keeps_the_router_paused_until_a_refit_validates(stack: dic
         publisher.publish(8, state_b, [value - 1.0 for value in probe_b])
     assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "probe" in failed.value.details()
     assert router_paused(stack["router"])
+    assert "probe: engine and learner logprobs differ" in broadcaster_status(stack["broadcaster"]).refit_failure
 
     # A refused refit cannot resume: the weights that served before the failure are gone.
     missing = {k: v for k, v in state_b.items() if k != "model.norm.weight"}
@@ -250,6 +267,7 @@ def test_failed_probe_keeps_the_router_paused_until_a_refit_validates(stack: dic
     assert response.policy_version.version == 10 and response.report.probe_max_abs_logprob_diff < 1e-3
     assert not router_paused(stack["router"])
     assert set(asyncio.run(sample(stack["router"], seed=5)).policy_versions) == {10}
+    assert broadcaster_status(stack["broadcaster"]).refit_failure == ""
     publisher.close()
 
 
@@ -579,6 +597,9 @@ def test_a_restarted_broadcaster_takes_the_routers_version_as_the_newest(stack: 
     publisher.close()
     stack["broadcaster_process"].stop()
     stack["broadcaster_process"].start(timeout_s=120)
+    # It reports the version its predecessor published (the Redis key) before its first refit.
+    restored = broadcaster_status(stack["broadcaster"]).policy_version
+    assert (restored.version, restored.learner_step) == (current, current)
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     try:
         with pytest.raises(grpc.RpcError) as refused:
@@ -591,6 +612,24 @@ def test_a_restarted_broadcaster_takes_the_routers_version_as_the_newest(stack: 
     assert (response.policy_version.version, response.policy_version.learner_step) == (current + 1, 2)
     assert response.report.probe_max_abs_logprob_diff < 1e-3
     assert set(asyncio.run(sample(stack["router"], seed=41)).policy_versions) == {current + 1}
+
+
+def next_refit_restores_service(
+    stack: dict[str, Any], publisher: WeightPublisher, state: dict[str, torch.Tensor], probe: list[float], version: int
+) -> None:
+    """The next learner's refit after a dead one's: through at once (not after the group's 300 s timeout),
+    validated, served at its version, and the failure no longer reported."""
+    started = time.monotonic()
+    try:
+        response = publisher.publish(version, state, probe)
+    finally:
+        publisher.close()
+    waited = time.monotonic() - started
+    assert waited < 60, f"the next refit waited {waited:.0f} s behind the dead learner's"
+    assert response.policy_version.version == version and response.report.probe_max_abs_logprob_diff < 1e-3
+    assert not router_paused(stack["router"])
+    assert set(asyncio.run(sample(stack["router"], seed=version)).policy_versions) == {version}
+    assert broadcaster_status(stack["broadcaster"]).refit_failure == ""
 
 
 def test_a_learner_that_dies_after_asking_does_not_hold_the_engines(stack: dict[str, Any]) -> None:
@@ -620,13 +659,63 @@ def test_a_learner_that_dies_after_asking_does_not_hold_the_engines(stack: dict[
     with grpc.insecure_channel(stack["broadcaster"]) as channel, pytest.raises(grpc.RpcError) as cut:
         weights_pb2_grpc.WeightServiceStub(channel).RefitWeights(dead, timeout=3)
     assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    started = time.monotonic()
-    try:
-        response = publisher.publish(current + 2, state_b, probe_b)
-    finally:
-        publisher.close()
-    waited = time.monotonic() - started
-    assert waited < 60, f"the next refit waited {waited:.0f} s for the dead learner's"
-    assert response.policy_version.version == current + 2 and response.report.probe_max_abs_logprob_diff < 1e-3
-    assert not router_paused(stack["router"])
-    assert set(asyncio.run(sample(stack["router"], seed=51)).policy_versions) == {current + 2}
+    status = broadcaster_status(stack["broadcaster"], until=lambda reply: bool(reply.refit_failure))
+    assert "abandoned: the learner's call ended mid-refit" in status.refit_failure
+    next_refit_restores_service(stack, publisher, state_b, probe_b, current + 2)
+
+
+# Run as a child process by the test below. The fault, made by hand: the learner SIGKILLs itself as it
+# starts sending its third bucket (two are on the wire, the engine workers are inside the broadcast).
+DYING_LEARNER = """
+import os, signal, sys
+import torch
+from transformers import AutoModelForCausalLM
+from molt.core import weightsync
+from molt.learner.config import LearnerSettings
+from molt.learner.refit import WeightPublisher, gather_for_refit
+
+settings = LearnerSettings.model_validate_json(sys.argv[1])
+start = weightsync.WeightGroup._start
+started = []
+
+def dying_start(self, buffer):
+    if len(started) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started.append(buffer.numel())
+    return start(self, buffer)
+
+weightsync.WeightGroup._start = dying_start
+publisher = WeightPublisher(settings, vocab_size=320)
+model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32).eval()
+state, probe = gather_for_refit(model, publisher.probe)
+publisher.publish(int(sys.argv[2]), state, probe)
+"""
+
+
+def test_a_learner_killed_mid_send_leaves_the_engines_whole(stack: dict[str, Any], tmp_path: Path) -> None:
+    """A learner process killed while its buckets are on the wire: the engine workers are blocked in the
+    broadcast. The refit must fail without loading anything (the engines stay paused on their old
+    weights, at the old version: never half-updated weights served) and the next learner's refit must
+    go through at once, on a rebuilt group."""
+    with grpc.insecure_channel(stack["router"]) as channel:
+        current = (
+            rollout_pb2_grpc.RolloutServiceStub(channel)
+            .GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+            .policy_version
+        )
+    script = tmp_path / "dying_learner.py"
+    script.write_text(DYING_LEARNER)
+    dying = subprocess.run(
+        [sys.executable, str(script), stack["settings"].model_dump_json(), str(current + 1)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert dying.returncode == -signal.SIGKILL, dying.stderr[-2000:]
+    status = broadcaster_status(stack["broadcaster"], until=lambda reply: bool(reply.refit_failure))
+    assert "abandoned: the learner's call ended mid-refit" in status.refit_failure
+    assert status.policy_version.version == current
+    assert router_paused(stack["router"])
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    next_refit_restores_service(stack, publisher, state_b, probe_b, current + 2)

@@ -16,3 +16,11 @@ def test_a_learner_that_stops_answering_after_its_last_step_is_finishing() -> No
     assert "learner finishing" in line and "ALERT" not in line
     snap.unreachable.append("router")  # anything else still alerts
     assert "ALERT: router not answering" in status_line(snap, 60.0)
+
+
+def test_a_failed_refit_holding_the_engines_is_named() -> None:
+    failure = "refit tiny-cpu-1a2b-v7 abandoned: the learner's call ended mid-refit"
+    line = status_line(Snapshot(max_steps=200, paused=True, refit_failure=failure), 60.0)
+    assert f"ALERT: engines paused by a failed refit ({failure}) until a refit validates" in line
+    assert "router paused (refit)" not in line
+    assert "ALERT: router paused (refit)" in status_line(Snapshot(max_steps=200, paused=True), 60.0)

@@ -58,6 +58,7 @@ class Snapshot:
     failed_episodes: int | None = None
     broadcaster_version: int | None = None
     published_step: int | None = None  # the learner step whose weights the broadcaster published last
+    refit_failure: str = ""  # why a failed refit holds the engines paused (the broadcaster's word); "" = none
     last_eval: dict[str, Any] | None = None
     unreachable: list[str] = field(default_factory=list)
 
@@ -105,6 +106,7 @@ def gather(addresses: dict[str, str], redis_url: str, run_id: str, run_dir: Path
     if reply is not None:
         snap.broadcaster_version = int(reply.policy_version.version)
         snap.published_step = int(reply.policy_version.learner_step)
+        snap.refit_failure = reply.refit_failure
     _queue_stats(snap, redis_url, run_id)
     evals = read_evals(run_dir / "eval.jsonl")
     snap.last_eval = evals[-1] if evals else None
@@ -147,7 +149,9 @@ def status_line(snap: Snapshot, elapsed_s: float) -> str:
     if done and "learner" in snap.unreachable:
         parts.append("learner finishing")
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
-    if snap.paused:
+    if snap.refit_failure:
+        alerts.append(f"engines paused by a failed refit ({snap.refit_failure}) until a refit validates")
+    elif snap.paused:
         alerts.append("router paused (refit)")
     if snap.failed_episodes:
         alerts.append(f"{snap.failed_episodes} failed episodes")

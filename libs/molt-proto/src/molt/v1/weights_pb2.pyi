@@ -338,6 +338,12 @@ class GetPolicyVersionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    REFIT_FAILURE_FIELD_NUMBER: _builtins.int
+    refit_failure: _builtins.str
+    """Why the engines stay paused after a refit that failed (refused after loading on some engines, a
+    probe that disagreed, a learner gone mid-refit); empty when no such failure holds them. The next
+    refit that validates clears it.
+    """
     @_builtins.property
     def policy_version(self) -> _common_pb2.PolicyVersion:
         """The current policy version."""
@@ -346,10 +352,11 @@ class GetPolicyVersionResponse(_message.Message):
         self,
         *,
         policy_version: _common_pb2.PolicyVersion | None = ...,
+        refit_failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "refit_failure", b"refit_failure"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

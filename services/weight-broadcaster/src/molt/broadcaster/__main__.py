@@ -18,6 +18,7 @@ async def serve(settings: BroadcasterSettings) -> None:
 
     broadcaster = Broadcaster(settings)
     broadcaster.start()
+    await broadcaster.restore()
     service = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
     host = ServiceHost(
         name="weight-broadcaster",

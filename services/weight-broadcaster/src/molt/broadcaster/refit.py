@@ -141,6 +141,26 @@ class Broadcaster:
         self.store_port = self.store.port
         log.info("weight-group store open", extra={"port": self.store_port})
 
+    async def restore(self) -> None:
+        """Takes the version a previous broadcaster of this run published (the Redis key) as its own, so
+        a restarted broadcaster reports it on GetPolicyVersion and WatchPolicyVersion before its first
+        refit. Without Redis, or when it cannot be read, the published version starts empty."""
+        if self.redis is None:
+            return
+        try:
+            raw = await self.redis.get(version_key(self.settings.run.run_id))
+        except aioredis.RedisError as exc:
+            log.warning("could not read the published policy version from Redis", extra={"error": str(exc)})
+            return
+        if raw is None:
+            return
+        record = json.loads(raw)
+        version = common_pb2.PolicyVersion(version=int(record["version"]), learner_step=int(record["learner_step"]))
+        version.publish_time.FromJsonString(record["publish_time"])
+        self.published.version = version
+        metrics.POLICY_VERSION.set(version.version)
+        log.info("published version restored from Redis", extra={"version": version.version})
+
     async def close(self) -> None:
         await self.channel.close()
         if self.redis is not None:
@@ -220,11 +240,24 @@ class Broadcaster:
             except TimeoutError as exc:
                 metrics.REFITS.labels(outcome="timeout").inc()
                 self.group.learner_joined = False  # the group may be mid-collective: rebuild it next time
-                raise TimedOut(
-                    f"refit {request.request_id} did not finish in {self.settings.refit_timeout_s} s"
-                ) from exc
+                message = f"refit {request.request_id} did not finish in {self.settings.refit_timeout_s} s"
+                self._unfinished(message)
+                raise TimedOut(message) from exc
+            except asyncio.CancelledError:
+                # The learner's call ended mid-refit: it died or gave up. Nothing was loaded unless every
+                # bucket had arrived and validated; the engines stay paused until a refit validates.
+                metrics.REFITS.labels(outcome="abandoned").inc()
+                self._unfinished(f"refit {request.request_id} abandoned: the learner's call ended mid-refit")
+                raise
             self.responses[request.request_id] = response
             return response
+
+    def _unfinished(self, message: str) -> None:
+        """A refit that did not finish: logged, and reported (GetPolicyVersion) while it holds the engines."""
+        held = self.paused_by_failure is not None
+        if held:
+            self.paused_by_failure = message
+        log.error(message + (": the engines stay paused until a refit validates" if held else ""))
 
     async def _version_of(self, request: weights_pb2.RefitWeightsRequest) -> int:
         """The version ``request``'s weights will be published as (see the module docstring)."""
@@ -352,12 +385,12 @@ class Broadcaster:
                 metrics.REFITS.labels(outcome="failed_paused").inc()
                 log.error("refit failed, engines stay paused", extra={"reason": exc.message})
             raise
-        except BaseException:
+        except BaseException:  # cancelled: the learner's call ended, or the refit timed out (``refit`` says which)
             if running and not resumed:
                 await self._pause_again()
             if not resumed:
                 self.group.learner_joined = False
-                self.paused_by_failure = f"refit {request.request_id} crashed"
+                self.paused_by_failure = f"refit {request.request_id} did not finish"
             raise
 
     def _bucket_bytes(self, request: weights_pb2.RefitWeightsRequest) -> int:

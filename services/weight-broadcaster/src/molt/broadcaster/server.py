@@ -46,7 +46,9 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
     async def GetPolicyVersion(
         self, request: weights_pb2.GetPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> weights_pb2.GetPolicyVersionResponse:
-        return weights_pb2.GetPolicyVersionResponse(policy_version=self.broadcaster.published.version)
+        return weights_pb2.GetPolicyVersionResponse(
+            policy_version=self.broadcaster.published.version, refit_failure=self.broadcaster.paused_by_failure or ""
+        )
 
     @grpc_errors(DOMAIN)
     async def WatchPolicyVersion(
