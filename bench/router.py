@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -162,6 +163,14 @@ def router_round(
     return concurrently(one_unary if unary else one, work, seconds)
 
 
+def bootstrap_interval(values: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the median of ``values`` resampled with replacement: how far one
+    run's median of paired ratios could move on this machine's round-to-round noise."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
+
+
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
     llm = direct_engine(model, args.stream_interval, args.direct_wait)
     sampler = CpuSampler(every_s=0.2)
@@ -199,9 +208,11 @@ async def compare(model: Path, address: str, router_pid: int, work: list[list[in
         for rw, rt, dw, dt in zip(router_walls, router_tokens, direct_walls, direct_tokens, strict=True)
     ]
     ratio = summary["router"]["tokens_per_s"] / summary["direct"]["tokens_per_s"]
+    low, high = bootstrap_interval(per_round)
     print(
         f"throughput ratio router/direct: {ratio:.3f} (of the medians), {statistics.median(per_round):.3f} "
-        f"(median of {len(per_round)} paired rounds: {', '.join(f'{x:.2f}' for x in per_round)})  (goal >= 0.95)"
+        f"(median of {len(per_round)} paired rounds, 90% bootstrap interval {low:.3f}-{high:.3f}: "
+        f"{', '.join(f'{x:.2f}' for x in per_round)})  (goal >= 0.95)"
     )
     print(
         "latency ratio router/direct: "
