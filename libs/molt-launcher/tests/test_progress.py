@@ -24,3 +24,5 @@ def test_a_failed_refit_holding_the_engines_is_named() -> None:
     assert f"ALERT: engines paused by a failed refit ({failure}) until a refit validates" in line
     assert "router paused (refit)" not in line
     assert "ALERT: router paused (refit)" in status_line(Snapshot(max_steps=200, paused=True), 60.0)
+    # A failure the router no longer shows (it resumed meanwhile) is not an alert.
+    assert "ALERT" not in status_line(Snapshot(max_steps=200, paused=False, refit_failure=failure), 60.0)

@@ -149,7 +149,7 @@ def status_line(snap: Snapshot, elapsed_s: float) -> str:
     if done and "learner" in snap.unreachable:
         parts.append("learner finishing")
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
-    if snap.refit_failure:
+    if snap.refit_failure and snap.paused is not False:
         alerts.append(f"engines paused by a failed refit ({snap.refit_failure}) until a refit validates")
     elif snap.paused:
         alerts.append("router paused (refit)")

@@ -29,7 +29,8 @@ One refit, for request id R (the learner's):
 
 Versions only grow. The newest one is the published one or, before this
 process has published any, the router's (a restarted broadcaster in front of
-engines that kept theirs). A version not newer is refused, except in a
+engines that kept theirs; the version it restores from Redis at start is only
+reported). A version not newer is refused, except in a
 learner's first refit after it starts (``continue_versions``): a learner
 restarted from the checkpoint of the newest version publishes it again, and one
 restarted from a checkpoint behind the engines publishes its weights as the
@@ -132,6 +133,7 @@ class Broadcaster:
         self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
         self.paused_by_failure: str | None = None
         self.router_version = -1  # the router's version when this process first refits; -1: not asked yet
+        self.published_here = 0  # the newest version this process published (a restored one does not count)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -142,21 +144,23 @@ class Broadcaster:
         log.info("weight-group store open", extra={"port": self.store_port})
 
     async def restore(self) -> None:
-        """Takes the version a previous broadcaster of this run published (the Redis key) as its own, so
-        a restarted broadcaster reports it on GetPolicyVersion and WatchPolicyVersion before its first
-        refit. Without Redis, or when it cannot be read, the published version starts empty."""
+        """Reports the version a previous broadcaster of this run published (the Redis key) on
+        GetPolicyVersion and WatchPolicyVersion until this one publishes. It does not count as the newest
+        version (see the module docstring): a run restarted whole from a checkpoint keeps its numbering.
+        Without Redis, or when the key cannot be read (logged), nothing is reported as published."""
         if self.redis is None:
             return
+        key = version_key(self.settings.run.run_id)
         try:
-            raw = await self.redis.get(version_key(self.settings.run.run_id))
-        except aioredis.RedisError as exc:
-            log.warning("could not read the published policy version from Redis", extra={"error": str(exc)})
+            raw = await asyncio.wait_for(self.redis.get(key), 5.0)
+            if raw is None:
+                return
+            record = json.loads(raw)
+            version = common_pb2.PolicyVersion(version=int(record["version"]), learner_step=int(record["learner_step"]))
+            version.publish_time.FromJsonString(record["publish_time"])
+        except (aioredis.RedisError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.warning("could not restore the published policy version", extra={"key": key, "error": repr(exc)})
             return
-        if raw is None:
-            return
-        record = json.loads(raw)
-        version = common_pb2.PolicyVersion(version=int(record["version"]), learner_step=int(record["learner_step"]))
-        version.publish_time.FromJsonString(record["publish_time"])
         self.published.version = version
         metrics.POLICY_VERSION.set(version.version)
         log.info("published version restored from Redis", extra={"version": version.version})
@@ -244,10 +248,19 @@ class Broadcaster:
                 self._unfinished(message)
                 raise TimedOut(message) from exc
             except asyncio.CancelledError:
-                # The learner's call ended mid-refit: it died or gave up. Nothing was loaded unless every
-                # bucket had arrived and validated; the engines stay paused until a refit validates.
+                # The call ended mid-refit: the learner died, or its deadline passed (or this process is
+                # stopping). Nothing was loaded unless every bucket had arrived and validated.
                 metrics.REFITS.labels(outcome="abandoned").inc()
-                self._unfinished(f"refit {request.request_id} abandoned: the learner's call ended mid-refit")
+                self._unfinished(
+                    f"refit {request.request_id} abandoned: its call ended mid-refit (the learner died, or its "
+                    "deadline passed)"
+                )
+                raise
+            except MoltError:
+                raise  # counted and logged where it was raised
+            except Exception as exc:  # Ray, a worker, the router's RPCs, Redis
+                metrics.REFITS.labels(outcome="error").inc()
+                self._unfinished(f"refit {request.request_id} failed: {type(exc).__name__}: {exc}")
                 raise
             self.responses[request.request_id] = response
             return response
@@ -267,7 +280,7 @@ class Broadcaster:
             except grpc.aio.AioRpcError as exc:
                 raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
             self.router_version = status.policy_version
-        newest = max(self.published.version.version, self.router_version)
+        newest = max(self.published_here, self.router_version)
         asked = request.policy_version or request.learner_step
         if asked > newest or newest == 0:
             return asked
@@ -481,6 +494,7 @@ class Broadcaster:
         async with self.published.changed:
             self.published.version = version
             self.published.changed.notify_all()
+        self.published_here = number
         metrics.POLICY_VERSION.set(version.version)
         return version
 
