@@ -18,8 +18,11 @@ Two workloads: ``tiny`` is the recipe as it stands (responses of at most 8 token
 tiny random model; ``longtail`` swaps in ``bench/longtail_env.py`` (a per-episode budget with a
 Pareto tail, capped at 512 tokens; see there). Samples/s is the learner's consumed samples
 over the steps after the first ``--skip`` (engine warm-up, first refits), divided by the
-time between those steps' metrics lines. The ratio async/sync is printed per workload, with the
-machine's busy CPUs over the same steps (``/proc/stat``), each process's share, and the phases of
+time between those steps' metrics lines; response tokens/s counts those samples' response
+tokens instead (on the long tail the async learner takes groups in the order they finish, so
+its window can hold shorter samples than the sync loop's: both ratios are printed), and the
+samples the learner dropped as stale in the window are counted. The ratios async/sync are
+printed per workload, with the machine's busy CPUs over the same steps (``/proc/stat``), each process's share, and the phases of
 the broadcaster's refits (pause, move, probe, publish, resume; the engines stand still from the
 pause to the resume). (vLLM's worker busy-polls for a second after its last step, so on a CPU
 engine its share counts idle spinning too.)
@@ -127,6 +130,10 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "samples": samples,
         "seconds": span,
         "samples_per_s": samples / span,
+        # Response tokens trained on: on a long tail, samples/s alone flatters the loop whose window holds
+        # the shorter samples (the async learner takes groups in the order they finish).
+        "response_tokens_per_s": sum(row["response_length/mean"] * row["samples"] for row in timed[1:]) / span,
+        "dropped_stale": dropped(timed[-1], "stale") - dropped(timed[0], "stale"),
         "step_s_median": statistics.median(steps),
         "train_s_median": statistics.median(row["step_seconds"] for row in timed[1:]),
         "refit_s_median": statistics.median(refits) if refits else float("nan"),
@@ -139,6 +146,11 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "busy_cores": busy_cores,
         "busy_by_process": [(name, round(cores, 3)) for name, cores in per_process[:8]],
     }
+
+
+def dropped(row: dict[str, Any], reason: str) -> int:
+    """The learner's running count of samples dropped for ``reason`` up to this metrics row."""
+    return int(row.get(f"dropped/{reason}", 0))
 
 
 def refit_phases(broadcaster_log: Path, skip: int) -> dict[str, tuple[float, float]]:
@@ -192,15 +204,15 @@ def main() -> None:
             results += pair.values()
             print(f"\n[{workload}]")
             print(
-                f"  {'mode':6} {'samples/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} {'wait s':>7} "
-                f"{'staleness':>9} {'resp len':>9} {'max len':>8} {'busy cpus':>9}"
+                f"  {'mode':6} {'samples/s':>10} {'resp tok/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} "
+                f"{'wait s':>7} {'staleness':>9} {'stale drops':>11} {'resp len':>9} {'max len':>8} {'busy cpus':>9}"
             )
             for mode, r in pair.items():
                 print(
-                    f"  {mode:6} {r['samples_per_s']:10.2f} {r['step_s_median']:8.2f} {r['train_s_median']:8.2f} "
-                    f"{r['refit_s_median']:8.2f} {r['wait_s_median']:7.2f} {r['staleness_mean']:9.2f} "
-                    f"{r['response_len_mean']:9.1f} "
-                    f"{r['response_len_max']:8.0f} {r['busy_cores']:9.2f}"
+                    f"  {mode:6} {r['samples_per_s']:10.2f} {r['response_tokens_per_s']:10.0f} "
+                    f"{r['step_s_median']:8.2f} {r['train_s_median']:8.2f} {r['refit_s_median']:8.2f} "
+                    f"{r['wait_s_median']:7.2f} {r['staleness_mean']:9.2f} {r['dropped_stale']:11d} "
+                    f"{r['response_len_mean']:9.1f} {r['response_len_max']:8.0f} {r['busy_cores']:9.2f}"
                 )
             for mode, r in pair.items():
                 shares = ", ".join(f"{name} {cores:.2f}" for name, cores in r["busy_by_process"])
@@ -211,7 +223,8 @@ def main() -> None:
                     print(f"  {mode} refit phases, ms, median (p90): {phases}")
             if {"sync", "async"} <= pair.keys():
                 ratio = pair["async"]["samples_per_s"] / pair["sync"]["samples_per_s"]
-                print(f"  samples/s ratio async/sync: {ratio:.2f}", flush=True)
+                tokens = pair["async"]["response_tokens_per_s"] / pair["sync"]["response_tokens_per_s"]
+                print(f"  ratio async/sync: samples/s {ratio:.2f}, response tokens/s {tokens:.2f}", flush=True)
             if {"sync", "ceiling"} <= pair.keys():
                 ceiling = pair["ceiling"]["samples_per_s"] / pair["sync"]["samples_per_s"]
                 print(f"  ceiling of that ratio on this machine (ceiling/sync): {ceiling:.2f}", flush=True)

@@ -264,6 +264,28 @@ def test_pause_drain_waits_for_in_flight_requests(router: Any) -> None:
     assert len(set(result["policy_versions"])) == 1
 
 
+def test_a_drain_its_caller_gave_up_on_leaves_the_router_serving(router: Any) -> None:
+    """A PauseGeneration(drain) cancelled while it waits for a request (its caller's deadline passed, or
+    the caller died) pauses nothing: the router is not paused and admits new requests at once."""
+
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[grpc.StatusCode, Any, Any, dict[str, Any]]:
+        started = asyncio.Event()
+        long = asyncio.create_task(collect(stub, stream_request("long-drained", max_tokens=200, seed=9), started))
+        await asyncio.wait_for(started.wait(), 60)
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            drain = rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_DRAIN)
+            await stub.PauseGeneration(drain, timeout=0.05)
+        status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+        after = await stub.Generate(request("after-cut-drain", max_tokens=4, seed=2), timeout=10)
+        return cut.value.code(), status, after, await asyncio.wait_for(long, 60)
+
+    code, status, after, long = run(router, body)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not status.paused
+    assert after.completions[0].token_ids
+    assert len(long["finish"]) == 1 and len(long["token_ids"]) > 8
+
+
 def expect_error(router: Any, req: rollout_pb2.GenerateRequest) -> tuple[grpc.StatusCode, str, str]:
     async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[grpc.StatusCode, str, str]:
         with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -377,7 +377,9 @@ class PauseGenerationRequest(_message.Message):
     def drain_timeout(self) -> _duration_pb2.Duration:
         """For PAUSE_MODE_DRAIN: the longest time to wait for in-flight requests;
         when it passes, the call fails with DEADLINE_EXCEEDED and the router
-        stays unpaused. Unset means the router's configured drain timeout.
+        stays unpaused; so does a drain whose caller cancels the call (its
+        deadline passed, or it went away). Unset means the router's configured
+        drain timeout.
         """
 
     def __init__(

@@ -383,6 +383,10 @@ class EnginePool:
         if mode == "drain":
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+            except asyncio.CancelledError:
+                if not self.paused:  # the caller gave up on its drain: admission reopens, as after a timeout
+                    self._open.set()
+                raise
             except TimeoutError as exc:
                 if not self.paused:
                     self._open.set()

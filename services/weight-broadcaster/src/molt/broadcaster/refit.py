@@ -66,6 +66,11 @@ def version_key(run_id: str) -> str:
     return f"molt:{run_id}:policy_version"
 
 
+def unfinished(request_id: str) -> str:
+    """What holds the engines after refit ``request_id`` ended unfinished, until ``refit`` says why."""
+    return f"refit {request_id} did not finish"
+
+
 def seconds(duration: Duration) -> float:
     return duration.seconds + duration.nanos / 1e9
 
@@ -245,32 +250,33 @@ class Broadcaster:
                 metrics.REFITS.labels(outcome="timeout").inc()
                 self.group.learner_joined = False  # the group may be mid-collective: rebuild it next time
                 message = f"refit {request.request_id} did not finish in {self.settings.refit_timeout_s} s"
-                self._unfinished(message)
+                self._unfinished(request.request_id, message)
                 raise TimedOut(message) from exc
             except asyncio.CancelledError:
                 # The call ended mid-refit: the learner died, or its deadline passed (or this process is
                 # stopping). Nothing was loaded unless every bucket had arrived and validated.
                 metrics.REFITS.labels(outcome="abandoned").inc()
                 self._unfinished(
+                    request.request_id,
                     f"refit {request.request_id} abandoned: its call ended mid-refit (the learner died, or its "
-                    "deadline passed)"
+                    "deadline passed)",
                 )
                 raise
             except MoltError:
                 raise  # counted and logged where it was raised
             except Exception as exc:  # Ray, a worker, the router's RPCs, Redis
                 metrics.REFITS.labels(outcome="error").inc()
-                self._unfinished(f"refit {request.request_id} failed: {type(exc).__name__}: {exc}")
+                self._unfinished(request.request_id, f"refit {request.request_id} failed: {type(exc).__name__}: {exc}")
                 raise
             self.responses[request.request_id] = response
             return response
 
-    def _unfinished(self, message: str) -> None:
-        """A refit that did not finish: logged, and reported (GetPolicyVersion) while it holds the engines."""
-        held = self.paused_by_failure is not None
-        if held:
+    def _unfinished(self, request_id: str, message: str) -> None:
+        """A refit that did not finish: logged, and reported (GetPolicyVersion) when it left the engines
+        paused (an earlier failure that holds them is kept: this refit may have ended before it paused)."""
+        if self.paused_by_failure == unfinished(request_id):
             self.paused_by_failure = message
-        log.error(message + (": the engines stay paused until a refit validates" if held else ""))
+        log.error(message, extra={"engines_paused_by": self.paused_by_failure})
 
     async def _version_of(self, request: weights_pb2.RefitWeightsRequest) -> int:
         """The version ``request``'s weights will be published as (see the module docstring)."""
@@ -403,7 +409,7 @@ class Broadcaster:
                 await self._pause_again()
             if not resumed:
                 self.group.learner_joined = False
-                self.paused_by_failure = f"refit {request.request_id} did not finish"
+                self.paused_by_failure = unfinished(request.request_id)
             raise
 
     def _bucket_bytes(self, request: weights_pb2.RefitWeightsRequest) -> int:
