@@ -22,10 +22,10 @@ time between those steps' metrics lines; response tokens/s counts those samples'
 tokens instead (on the long tail the async learner takes groups in the order they finish, so
 its window can hold shorter samples than the sync loop's: both ratios are printed), and the
 samples the learner dropped as stale in the window are counted. The ratios async/sync are
-printed per workload, with the machine's busy CPUs over the same steps (``/proc/stat``), each process's share, and the phases of
-the broadcaster's refits (pause, move, probe, publish, resume; the engines stand still from the
-pause to the resume). (vLLM's worker busy-polls for a second after its last step, so on a CPU
-engine its share counts idle spinning too.)
+printed per workload, with the machine's busy CPUs over the same steps (``/proc/stat``), each
+process's share, and the phases of the broadcaster's refits (pause, move, probe, publish,
+resume; the engines stand still from the pause to the resume). (vLLM's worker busy-polls for a
+second after its last step, so on a CPU engine its share counts idle spinning too.)
 
 Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--modes sync,async] [--steps 40] [--skip 8]
 [--set K=V ...]``.
@@ -139,6 +139,7 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         "refit_s_median": statistics.median(refits) if refits else float("nan"),
         "wait_s_median": statistics.median(row.get("wait_seconds", float("nan")) for row in timed[1:]),
         "staleness_mean": statistics.fmean(row["staleness/mean"] for row in timed[1:]),
+        "staleness_max": max(row["staleness/max"] for row in timed[1:]),
         "response_len_mean": statistics.fmean(row["response_length/mean"] for row in timed[1:]),
         "response_len_max": max(row["response_length/max"] for row in timed[1:]),
         "is_weight_mean": statistics.fmean(row.get("is_weight_mean", 1.0) for row in timed[1:]),
@@ -205,13 +206,15 @@ def main() -> None:
             print(f"\n[{workload}]")
             print(
                 f"  {'mode':6} {'samples/s':>10} {'resp tok/s':>10} {'step s':>8} {'train s':>8} {'refit s':>8} "
-                f"{'wait s':>7} {'staleness':>9} {'stale drops':>11} {'resp len':>9} {'max len':>8} {'busy cpus':>9}"
+                f"{'wait s':>7} {'staleness':>9} {'max':>4} {'stale drops':>11} {'resp len':>9} {'max len':>8} "
+                f"{'busy cpus':>9}"
             )
             for mode, r in pair.items():
                 print(
                     f"  {mode:6} {r['samples_per_s']:10.2f} {r['response_tokens_per_s']:10.0f} "
                     f"{r['step_s_median']:8.2f} {r['train_s_median']:8.2f} {r['refit_s_median']:8.2f} "
-                    f"{r['wait_s_median']:7.2f} {r['staleness_mean']:9.2f} {r['dropped_stale']:11d} "
+                    f"{r['wait_s_median']:7.2f} {r['staleness_mean']:9.2f} {r['staleness_max']:4.0f} "
+                    f"{r['dropped_stale']:11d} "
                     f"{r['response_len_mean']:9.1f} {r['response_len_max']:8.0f} {r['busy_cores']:9.2f}"
                 )
             for mode, r in pair.items():

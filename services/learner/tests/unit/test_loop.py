@@ -8,6 +8,8 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import redis
@@ -17,7 +19,7 @@ from torch import nn
 from molt.core.queue import TrajectoryQueue
 from molt.learner.checkpoint import Checkpoints
 from molt.learner.config import LearnerSettings
-from molt.learner.loop import LearnerLoop
+from molt.learner.loop import LearnerLoop, _Clock
 from molt.learner.metrics import MetricsLog, read_history
 from molt.learner.synthetic import named_group
 from molt.learner.trainer import Trainer
@@ -124,6 +126,25 @@ def test_resume_without_checkpoints_starts_at_zero(learner_settings: SettingsFac
     assert loop.resume() == 0 and loop.last_checkpoint_step == -1
 
 
+def test_drop_after_versions_keeps_groups_the_pacing_bound_would_drop(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """The six groups of the test below, with ``drop_after_versions = 2`` beside ``max_staleness = 1``: all
+    of them are trained, in three steps, the last on samples two versions behind (the staleness metric
+    says so); none is dropped."""
+    settings = learner_settings(checkpoint_every=5, poll_s=0.05, max_staleness=1, drop_after_versions=2, max_steps=3)
+    TrajectoryQueue(redis_client, "molt").put_many([named_group(f"g{i}", REWARDS) for i in range(6)])
+    loop = make_loop(settings, redis_client)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    thread.join(timeout=60)
+    if thread.is_alive():  # a third step never came: its groups were dropped
+        loop.request_stop(save_checkpoint=False).result(timeout=30)
+        thread.join(timeout=30)
+    assert loop.state.step == 3 and not loop.status().dropped
+    assert loop.last_metrics["staleness/max"] == 2.0
+
+
 def test_groups_that_went_stale_are_dropped_and_acknowledged(
     learner_settings: SettingsFactory, redis_client: redis.Redis
 ) -> None:
@@ -148,3 +169,17 @@ def test_groups_that_went_stale_are_dropped_and_acknowledged(
     assert loop.state.step == 2 and loop.last_checkpoint_step == 2
     assert producer.stats().depth == 0
     assert producer.skipped() == 2  # two whole groups settled untrained: the agent-pool starts two more
+
+
+def test_many_samples_dropped_as_stale_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """More than 5% of the samples between two status lines dropped as stale is a warning that names the
+    setting; the first status line only takes the counts (after a restart they hold the run's history)."""
+    clock = _Clock(0.0)
+    loop = cast(LearnerLoop, SimpleNamespace(drop_after=4))
+    with caplog.at_level(logging.WARNING, logger="molt.learner.loop"):
+        clock._warn_stale(loop, stale=50, trained=100)
+        clock._warn_stale(loop, stale=52, trained=200)  # 2 of 102
+        clock._warn_stale(loop, stale=70, trained=250)  # 18 of 68
+    warnings = [r.getMessage() for r in caplog.records if "dropped as stale" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("18 of the last 68 samples")
+    assert "more than 4 versions" in warnings[0] and "drop_after_versions" in warnings[0]

@@ -182,7 +182,21 @@ class LearnerSettings(ServiceSettings):
         description="padded (auto): one sequence per row, plain causal attention (flash kernels on GPU); packed: "
         "sequences concatenated in one row, no padding but a dense block-diagonal mask (attention ~ total^2).",
     )
-    max_staleness: int = Field(1, ge=0, description="Drop samples whose oldest token is more versions behind.")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Versions a sample's oldest loss token may lag behind the learner; older samples are dropped "
+        "(unless drop_after_versions says otherwise). The agent-pool paces on the same bound (its own max_staleness).",
+    )
+    drop_after_versions: int | None = Field(
+        None,
+        ge=0,
+        description="Drop a sample whose oldest loss token is more than this many versions behind the learner; "
+        "unset: max_staleness. Under partial rollout a long response spans many refits, and a bound this tight "
+        "cuts the long tail of response lengths out of training (docs/queue.md); a larger one keeps it, the "
+        "producer's pacing on max_staleness still bounds when groups start, and importance sampling weighs the "
+        "old tokens.",
+    )
     rollout: RolloutMirrorSettings = Field(
         default_factory=RolloutMirrorSettings, description="How rollouts were sampled."
     )

@@ -112,6 +112,10 @@ class LearnerLoop:
         self.metrics = metrics
         self.rank = rank
         self.on_step = on_step
+        # Samples whose oldest loss token is more versions behind than this are dropped as stale.
+        self.drop_after = (
+            settings.max_staleness if settings.drop_after_versions is None else settings.drop_after_versions
+        )
 
         self.state = RunState()
         self.ready: list[ReadyGroup] = []
@@ -221,7 +225,7 @@ class LearnerLoop:
                 entry.group,
                 vocab_size=self.trainer.vocab_size,
                 current_version=self.state.policy_version,
-                max_staleness=self.settings.max_staleness,
+                max_staleness=self.drop_after,
                 consumed=self.state.consumed,
                 needs_groups=needs_groups,
             )
@@ -242,7 +246,7 @@ class LearnerLoop:
     def _trainable(self, groups: list[ReadyGroup]) -> list[Sample]:
         """The groups' samples, re-checked: a group carried over a step may have gone stale, and one id
         may have arrived twice (a producer writing around the queue's dedupe)."""
-        oldest_allowed = self.state.policy_version - self.settings.max_staleness
+        oldest_allowed = self.state.policy_version - self.drop_after
         seen: set[str] = set()
         kept: list[Sample] = []
         dropped: Counter[str] = Counter()
@@ -387,6 +391,9 @@ class LearnerLoop:
                 return
 
 
+STALE_WARNING_SHARE = 0.05  # of the samples between two status lines
+
+
 class _Clock:
     """When trajectories last arrived, and when the status line and the idle warning are due."""
 
@@ -394,6 +401,8 @@ class _Clock:
         self.last_arrival = now
         self.last_report = now
         self.last_idle_warning = now
+        self.stale_seen = -1  # samples dropped as stale / trained at the last status line (-1: none yet)
+        self.trained_seen = 0
 
     def arrived(self) -> None:
         self.last_arrival = time.monotonic()
@@ -423,4 +432,22 @@ class _Clock:
                 len(loop.ready),
                 status.last_metrics.get("reward/mean", float("nan")),
                 extra={"dropped": status.dropped, "lastCheckpointStep": status.last_checkpoint_step},
+            )
+            self._warn_stale(loop, status.dropped.get("stale", 0), status.consumed_count)
+
+    def _warn_stale(self, loop: LearnerLoop, stale: int, trained: int) -> None:
+        """Warns when more than STALE_WARNING_SHARE of the samples since the last status line were dropped
+        as stale: on a long-tailed workload those are the long responses (docs/queue.md)."""
+        new_stale = stale - max(self.stale_seen, 0)
+        new_trained = trained - self.trained_seen
+        first = self.stale_seen < 0
+        self.stale_seen, self.trained_seen = stale, trained
+        if not first and new_stale > STALE_WARNING_SHARE * (new_stale + new_trained):
+            log.warning(
+                "%d of the last %d samples were dropped as stale (oldest loss token more than %d versions "
+                "behind): long responses are cut out of training; [learner] drop_after_versions keeps them",
+                new_stale,
+                new_stale + new_trained,
+                loop.drop_after,
+                extra={"stale": new_stale, "trained": new_trained},
             )
