@@ -258,8 +258,8 @@ class Broadcaster:
                 metrics.REFITS.labels(outcome="abandoned").inc()
                 self._unfinished(
                     request.request_id,
-                    f"refit {request.request_id} abandoned: its call ended mid-refit (the learner died, or its "
-                    "deadline passed)",
+                    f"refit {request.request_id} abandoned: its call ended mid-refit (the learner died, its "
+                    "deadline passed, or this broadcaster is stopping)",
                 )
                 raise
             except MoltError:
