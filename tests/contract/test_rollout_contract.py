@@ -266,23 +266,30 @@ def test_pause_drain_waits_for_in_flight_requests(router: Any) -> None:
 
 def test_a_drain_its_caller_gave_up_on_leaves_the_router_serving(router: Any) -> None:
     """A PauseGeneration(drain) cancelled while it waits for a request (its caller's deadline passed, or
-    the caller died) pauses nothing: the router is not paused and admits new requests at once."""
+    the caller died) pauses nothing: the router is not paused, and a request that arrived during the
+    drain (held: admission is closed while draining) and new ones are served at once."""
 
-    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[grpc.StatusCode, Any, Any, dict[str, Any]]:
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, ...]:
         started = asyncio.Event()
-        long = asyncio.create_task(collect(stub, stream_request("long-drained", max_tokens=200, seed=9), started))
+        long = asyncio.create_task(collect(stub, stream_request("long-drained", max_tokens=384, seed=9), started))
         await asyncio.wait_for(started.wait(), 60)
-        with pytest.raises(grpc.aio.AioRpcError) as cut:
-            drain = rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_DRAIN)
-            await stub.PauseGeneration(drain, timeout=0.05)
+        drain = rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_DRAIN)
+        cut = asyncio.ensure_future(stub.PauseGeneration(drain, timeout=0.6))
+        await asyncio.sleep(0.2)
+        held = asyncio.ensure_future(stub.Generate(request("held-by-drain", max_tokens=4, seed=3), timeout=30))
+        await asyncio.sleep(0.2)
+        during = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await cut
         status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
         after = await stub.Generate(request("after-cut-drain", max_tokens=4, seed=2), timeout=10)
-        return cut.value.code(), status, after, await asyncio.wait_for(long, 60)
+        return error.value.code(), during, status, await held, after, await asyncio.wait_for(long, 60)
 
-    code, status, after, long = run(router, body)
+    code, during, status, held, after, long = run(router, body)
+    assert during.waiting_request_count == 1 and not during.paused  # the drain was waiting, admission closed
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert not status.paused
-    assert after.completions[0].token_ids
+    assert not status.paused and status.waiting_request_count == 0
+    assert held.completions[0].token_ids and after.completions[0].token_ids
     assert len(long["finish"]) == 1 and len(long["token_ids"]) > 8
 
 

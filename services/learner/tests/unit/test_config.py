@@ -40,6 +40,7 @@ def test_defaults_are_sound() -> None:
         ({"algorithm": {"estimator": "on_policy_distill"}}, "needs algorithm.teacher_path"),
         ({"algorithm": {"teacher_path": "teacher"}}, "teacher_path is only used by on_policy_distill"),
         ({"mode": "sft"}, "needs an \\[learner.sft\\] table"),
+        ({"max_staleness": 2, "drop_after_versions": 1}, "drop_after_versions = 1 is below max_staleness = 2"),
     ],
 )
 def test_unsound_settings_fail_fast_with_the_reason(values: dict[str, Any], reason: str) -> None:

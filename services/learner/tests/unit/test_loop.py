@@ -172,14 +172,14 @@ def test_groups_that_went_stale_are_dropped_and_acknowledged(
 
 
 def test_many_samples_dropped_as_stale_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    """More than 5% of the samples between two status lines dropped as stale is a warning that names the
-    setting; the first status line only takes the counts (after a restart they hold the run's history)."""
-    clock = _Clock(0.0)
+    """More than 5% of the samples since the last status line (or the loop's start, whose counts hold a
+    restarted run's history) dropped as stale is a warning that names the setting."""
+    clock = _Clock(0.0, stale=50, trained=100)
     loop = cast(LearnerLoop, SimpleNamespace(drop_after=4))
     with caplog.at_level(logging.WARNING, logger="molt.learner.loop"):
-        clock._warn_stale(loop, stale=50, trained=100)
         clock._warn_stale(loop, stale=52, trained=200)  # 2 of 102
         clock._warn_stale(loop, stale=70, trained=250)  # 18 of 68
     warnings = [r.getMessage() for r in caplog.records if "dropped as stale" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("18 of the last 68 samples")
-    assert "more than 4 versions" in warnings[0] and "drop_after_versions" in warnings[0]
+    assert len(warnings) == 1 and warnings[0].startswith("18 samples were dropped as stale since the last")
+    assert "against 50 trained" in warnings[0] and "more than 4 versions" in warnings[0]
+    assert "drop_after_versions" in warnings[0]

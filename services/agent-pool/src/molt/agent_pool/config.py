@@ -65,7 +65,10 @@ class AgentPoolSettings(ServiceSettings):
         300.0, gt=0, description="An episode running longer fails (counted, not trained on)."
     )
     max_staleness: int = Field(
-        1, ge=0, description="Largest policy-version lag a queued sample may reach before the learner uses it."
+        1,
+        ge=0,
+        description="Group k starts only once the policy version is k // groups_per_step - max_staleness: a "
+        "group the learner trains in its slot is at most this many versions old (mirrors [learner]).",
     )
     groups_per_step: int = Field(8, ge=1, description="The learner's groups per optimizer step (paces production).")
     max_tokens: int = Field(256, ge=1, description="Generation budget of one turn, in tokens.")

@@ -6,8 +6,9 @@
   counted by reason, logged with its traceback, never queued.
 - Dynamic filtering drops groups whose mean reward is not strictly inside the band.
 - Staleness backpressure: group k starts only when the policy version is at least
-  ``k // groups_per_step - max_staleness``, so no queued sample can be more than
-  ``max_staleness`` versions old when the learner reaches it. k counts the groups the
+  ``k // groups_per_step - max_staleness``, so a group the learner trains in its slot is at
+  most ``max_staleness`` versions old (one with a long response arrives later, and under
+  partial rollout its first tokens may be older: docs/queue.md). k counts the groups the
   learner can still train: groups this pool filtered or could not queue, and groups the
   learner skipped (the queue's counter), do not count, since the learner takes others
   in their place (docs/queue.md, "Pacing a producer").

@@ -250,6 +250,12 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
             f"rollout.top_k = {settings.rollout.top_k} with IS correction: the engine renormalises over the "
             f"top k, so its logprobs are not the policy's; use top_k = -1"
         )
+    if settings.drop_after_versions is not None and settings.drop_after_versions < settings.max_staleness:
+        problems.append(
+            f"drop_after_versions = {settings.drop_after_versions} is below max_staleness = "
+            f"{settings.max_staleness}: the producer's pacing lets samples reach max_staleness in their slot, so "
+            f"the learner would drop them, and the replacements, over and over; use >= max_staleness or unset"
+        )
     if algo.estimator == "on_policy_distill" and algo.teacher_path is None:
         problems.append("estimator 'on_policy_distill' needs algorithm.teacher_path (the frozen teacher model)")
     if algo.teacher_path is not None and algo.estimator != "on_policy_distill":

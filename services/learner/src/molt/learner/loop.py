@@ -181,7 +181,8 @@ class LearnerLoop:
         """Trains until stopped (``request_stop``) or ``max_steps``; returns the last committed step."""
         if self.queue is None:
             raise ValueError("rank 0 needs the trajectory queue")
-        clock = _Clock(time.monotonic())
+        start = self.status()
+        clock = _Clock(time.monotonic(), start.dropped.get("stale", 0), start.consumed_count)
         try:
             publishes = isinstance(self.on_step, WeightPublisher) and self.settings.refit_every > 0
             if publishes and not self._should_stop():
@@ -397,12 +398,12 @@ STALE_WARNING_SHARE = 0.05  # of the samples between two status lines
 class _Clock:
     """When trajectories last arrived, and when the status line and the idle warning are due."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, stale: int = 0, trained: int = 0) -> None:
         self.last_arrival = now
         self.last_report = now
         self.last_idle_warning = now
-        self.stale_seen = -1  # samples dropped as stale / trained at the last status line (-1: none yet)
-        self.trained_seen = 0
+        self.stale_seen = stale  # samples dropped as stale / trained so far, at the last status line (or the
+        self.trained_seen = trained  # loop's start: after a restart they hold the run's history)
 
     def arrived(self) -> None:
         self.last_arrival = time.monotonic()
@@ -436,18 +437,17 @@ class _Clock:
             self._warn_stale(loop, status.dropped.get("stale", 0), status.consumed_count)
 
     def _warn_stale(self, loop: LearnerLoop, stale: int, trained: int) -> None:
-        """Warns when more than STALE_WARNING_SHARE of the samples since the last status line were dropped
-        as stale: on a long-tailed workload those are the long responses (docs/queue.md)."""
-        new_stale = stale - max(self.stale_seen, 0)
-        new_trained = trained - self.trained_seen
-        first = self.stale_seen < 0
+        """Warns when more than STALE_WARNING_SHARE of the samples trained or dropped as stale since the last
+        status line were dropped: on a long-tailed workload those are the long responses (docs/queue.md)."""
+        new_stale, new_trained = stale - self.stale_seen, trained - self.trained_seen
         self.stale_seen, self.trained_seen = stale, trained
-        if not first and new_stale > STALE_WARNING_SHARE * (new_stale + new_trained):
+        if new_stale > STALE_WARNING_SHARE * (new_stale + new_trained):
             log.warning(
-                "%d of the last %d samples were dropped as stale (oldest loss token more than %d versions "
-                "behind): long responses are cut out of training; [learner] drop_after_versions keeps them",
+                "%d samples were dropped as stale since the last status line, against %d trained (oldest loss "
+                "token more than %d versions behind): long responses are cut out of training; a larger "
+                "[learner] drop_after_versions keeps them",
                 new_stale,
-                new_stale + new_trained,
+                new_trained,
                 loop.drop_after,
                 extra={"stale": new_stale, "trained": new_trained},
             )

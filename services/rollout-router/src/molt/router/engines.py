@@ -398,7 +398,16 @@ class EnginePool:
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
         clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
         started = time.monotonic()
-        await asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self._live_actors()))
+        # Shielded: once the engines are told to pause they pause, so a caller that gives up now leaves the
+        # router paused (as it reports), not closed to new requests while it says it is running.
+        engines = asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self._live_actors()))
+        try:
+            await asyncio.shield(engines)
+        except asyncio.CancelledError:
+            await engines
+            self.paused = True
+            metrics.PAUSED.set(1)
+            raise
         engines_s = time.monotonic() - started
         self.paused = True
         metrics.PAUSED.set(1)
