@@ -207,6 +207,13 @@ def check_manifest(metas: list[TensorMeta]) -> None:
 ABANDONED = b"abandoned"  # the value the broadcaster writes to a refit's ready key when the sender is gone
 
 
+def refit_keys(request_id: str) -> tuple[str, str]:
+    """A refit's two keys in the group's store: the broadcaster's go (JSON: generation, world size,
+    backend, bucket bytes) and the sender's ready key (written once it read the go)."""
+    go = f"refit/{request_id}"
+    return go, f"{go}/read"
+
+
 def wait_for_sender(store: dist.Store, ready_key: str) -> None:
     """Blocks until the sender wrote ``ready_key`` (it does just before it joins or sends: a receiver
     that blocked on the group earlier would wait out the group's timeout for a sender that died); raises

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from molt.core.errors import Unavailable
-from molt.core.weightsync import TensorMeta, WeightGroup
+from molt.core.weightsync import TensorMeta, WeightGroup, refit_keys
 from molt.learner.config import LearnerSettings
 from molt.v1 import weights_pb2, weights_pb2_grpc
 
@@ -231,7 +231,7 @@ class WeightPublisher:
             probe_logprobs=probe_logprobs or [],
         )
         call = self.calls.submit(self.stub.RefitWeights, request, timeout=self.settings.refit_timeout_s)
-        key = f"refit/{request.request_id}"
+        key, ready_key = refit_keys(request.request_id)
         while True:
             if call.done():  # failed before the go (e.g. the router could not pause)
                 call.result()
@@ -242,7 +242,7 @@ class WeightPublisher:
             except (RuntimeError, dist.DistStoreError):
                 continue
         go = json.loads(self.store.get(key))
-        self.store.set(f"{key}/read", b"1")  # the engine workers block on the group only once this is written
+        self.store.set(ready_key, b"1")  # the engine workers block on the group only once this is written
         if go["generation"] != self.generation:
             if self.group is not None:
                 self.group.close()

@@ -377,19 +377,18 @@ class EnginePool:
         """Closes admission and pauses the engines; returns the requests in flight at the pause.
 
         ``drain`` waits for in-flight requests first (and reopens, raising TimedOut, if they
-        do not finish in time); ``keep`` suspends them inside the engines.
+        do not finish in time; a caller that gives up meanwhile reopens it too); ``keep`` suspends
+        them inside the engines.
         """
         self._open.clear()
         if mode == "drain":
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
-            except asyncio.CancelledError:
-                if not self.paused:  # the caller gave up on its drain: admission reopens, as after a timeout
-                    self._open.set()
-                raise
-            except TimeoutError as exc:
+            except BaseException as exc:  # timed out, or the caller gave up on its drain: admission reopens
                 if not self.paused:
                     self._open.set()
+                if not isinstance(exc, TimeoutError):
+                    raise
                 raise TimedOut(
                     f"{len(self.in_flight)} requests still in flight after {drain_timeout_s} s of draining",
                     reason="DRAIN_TIMEOUT",

@@ -55,7 +55,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
 from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
-from molt.core.weightsync import ABANDONED, TensorMeta, check_manifest, manifest_to_json, plan_buckets
+from molt.core.weightsync import ABANDONED, TensorMeta, check_manifest, manifest_to_json, plan_buckets, refit_keys
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
@@ -423,7 +423,7 @@ class Broadcaster:
         # that died after asking (its call is then cancelled here) must not leave them waiting for its
         # bytes until the group's timeout, unable to take the next refit. On any failure the key is
         # written ABANDONED (unless the learner wrote it first), which releases them.
-        ready_key = f"refit/{request.request_id}/read"
+        go_key, ready_key = refit_keys(request.request_id)
         try:
             joins = []
             if changed:
@@ -446,7 +446,7 @@ class Broadcaster:
                 "backend": self._backend(),
                 "bucket_bytes": bucket_bytes,
             }
-            self.store.set(f"refit/{request.request_id}", json.dumps(go))
+            self.store.set(go_key, json.dumps(go))
             if joins:
                 await asyncio.gather(*joins)
                 self.group.learner_joined = True
