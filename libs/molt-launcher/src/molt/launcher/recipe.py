@@ -76,7 +76,8 @@ class LauncherSettings(BaseModel):
         le=19,
         description="Scheduling niceness of the rollout side (the Ray head and so the engines, the router, the "
         "agent-pool, the broadcaster); unset = 10 on a CPU run, where the learner shares cores with them and "
-        "they should fill the CPU time it leaves, not take it; 0 with GPUs.",
+        "they should fill the CPU time it leaves, not take it; 0 with GPUs. The Ray head stays at 0 with "
+        "[learner] placement = 'ray' (its ranks are Ray workers too).",
     )
 
 

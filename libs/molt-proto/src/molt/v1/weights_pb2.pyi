@@ -170,7 +170,7 @@ class RefitWeightsRequest(_message.Message):
     learner_step: _builtins.int
     """The optimizer step whose weights are sent."""
     bucket_bytes: _builtins.int
-    """Upper bound of one broadcast bucket, in bytes, > 0."""
+    """Upper bound of one broadcast bucket, in bytes; 0 = the broadcaster's [broadcaster] bucket_bytes."""
     pause_mode: _rollout_pb2.PauseMode.ValueType
     """How to pause the router; unspecified = the broadcaster's configured mode."""
     run_probe: _builtins.bool

@@ -29,7 +29,9 @@ GROUPS_FILTERED = Counter(
     ["reason"],
 )
 BACKPRESSURED = Gauge("molt_agent_pool_backpressured", "1 while waiting for the learner (staleness bound).")
-POLICY_VERSION = Gauge("molt_agent_pool_policy_version", "The router's policy version as last seen.")
+POLICY_VERSION = Gauge(
+    "molt_agent_pool_policy_version", "The policy version last seen: the broadcaster's announcement, else the router's."
+)
 EVAL_REWARD = Gauge("molt_agent_pool_eval_mean_reward", "Mean reward of the latest held-out evaluation pass.")
 EVAL_POLICY_VERSION = Gauge("molt_agent_pool_eval_policy_version", "Policy version of the latest evaluation pass.")
 EVAL_PASSES = Counter("molt_agent_pool_eval_passes_total", "Evaluation passes completed.")
