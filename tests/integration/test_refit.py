@@ -96,6 +96,7 @@ router_address = "127.0.0.1:{router_port}"
 ray_address = "{ray_head}"
 probe_tolerance = 1e-3
 refit_timeout_s = 300
+join_timeout_s = 15
 {extra_recipe}""")
     router = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],
@@ -673,8 +674,8 @@ def test_a_learner_that_dies_after_asking_does_not_hold_the_engines(stack: dict[
     next_refit_restores_service(stack, publisher, state_b, probe_b, current + 2)
 
 
-# Run as a child process by the test below. The fault, made by hand: the learner SIGKILLs itself as it
-# starts sending its third bucket (two are on the wire, the engine workers are inside the broadcast).
+# Run as a child process by the tests below: a learner that publishes once, with ``{patch}`` making it
+# SIGKILL itself at the point its test names (the fault, made by hand).
 DYING_LEARNER = """
 import os, signal, sys
 import torch
@@ -684,6 +685,15 @@ from molt.learner.config import LearnerSettings
 from molt.learner.refit import WeightPublisher, gather_for_refit
 
 settings = LearnerSettings.model_validate_json(sys.argv[1])
+{patch}
+publisher = WeightPublisher(settings, vocab_size=320)
+model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32).eval()
+state, probe = gather_for_refit(model, publisher.probe)
+publisher.publish(int(sys.argv[2]), state, probe)
+"""
+
+# As it starts sending its third bucket (two are on the wire, the engine workers are inside the broadcast).
+DIES_MID_SEND = """
 start = weightsync.WeightGroup._start
 started = []
 
@@ -694,18 +704,24 @@ def dying_start(self, buffer):
     return start(self, buffer)
 
 weightsync.WeightGroup._start = dying_start
-publisher = WeightPublisher(settings, vocab_size=320)
-model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32).eval()
-state, probe = gather_for_refit(model, publisher.probe)
-publisher.publish(int(sys.argv[2]), state, probe)
+"""
+
+# As it joins a new weight group (after it wrote the ready key that lets the engine workers join too).
+DIES_JOINING = """
+init = weightsync.WeightGroup.__init__
+
+def dying_init(self, store_host, store_port, rank, *args, **kwargs):
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    init(self, store_host, store_port, rank, *args, **kwargs)
+
+weightsync.WeightGroup.__init__ = dying_init
 """
 
 
-def test_a_learner_killed_mid_send_leaves_the_engines_whole(stack: dict[str, Any], tmp_path: Path) -> None:
-    """A learner process killed while its buckets are on the wire: the engine workers are blocked in the
-    broadcast. The refit must fail without loading anything (the engines stay paused on their old
-    weights, at the old version: never half-updated weights served) and the next learner's refit must
-    go through at once, on a rebuilt group."""
+def kill_a_learner(stack: dict[str, Any], tmp_path: Path, patch: str) -> int:
+    """Runs a learner that dies during its refit (``patch`` says where) and checks the aftermath: the
+    refit reported with its id, the engines paused at the old version. Returns that version."""
     with grpc.insecure_channel(stack["router"]) as channel:
         current = (
             rollout_pb2_grpc.RolloutServiceStub(channel)
@@ -714,7 +730,7 @@ def test_a_learner_killed_mid_send_leaves_the_engines_whole(stack: dict[str, Any
         )
     assert broadcaster_status(stack["broadcaster"]).refit_failure == ""
     script = tmp_path / "dying_learner.py"
-    script.write_text(DYING_LEARNER)
+    script.write_text(DYING_LEARNER.format(patch=patch))
     dying = subprocess.run(
         [sys.executable, str(script), stack["settings"].model_dump_json(), str(current + 1)],
         capture_output=True,
@@ -723,11 +739,37 @@ def test_a_learner_killed_mid_send_leaves_the_engines_whole(stack: dict[str, Any
     )
     assert dying.returncode == -signal.SIGKILL, dying.stderr[-2000:]
     # Which the broadcaster hears of first varies: the learner's call ending, or the engine worker's
-    # broadcast failing (through Ray). Either way the refit is reported, with its id.
+    # failure (through Ray). Either way the refit is reported, with its id.
     status = broadcaster_status(stack["broadcaster"], until=lambda reply: bool(reply.refit_failure))
     assert re.match(rf"refit {RUN_ID}-\w+-v{current + 1} (abandoned|failed)", status.refit_failure), status
     assert status.policy_version.version == current
     assert router_paused(stack["router"])
+    return current
+
+
+def test_a_learner_killed_mid_send_leaves_the_engines_whole(stack: dict[str, Any], tmp_path: Path) -> None:
+    """A learner process killed while its buckets are on the wire: the engine workers are blocked in the
+    broadcast. The refit must fail without loading anything (the engines stay paused on their old
+    weights, at the old version: never half-updated weights served) and the next learner's refit must
+    go through at once, on a rebuilt group."""
+    current = kill_a_learner(stack, tmp_path, DIES_MID_SEND)
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
     next_refit_restores_service(stack, publisher, state_b, probe_b, current + 2)
+
+
+def test_a_learner_killed_while_joining_holds_the_engines_for_the_join_timeout_only(
+    stack: dict[str, Any], tmp_path: Path
+) -> None:
+    """A learner process killed while it joins a new weight group: the engine workers are in the gloo
+    rendezvous, waiting for rank 0. They give up after ``[broadcaster] join_timeout_s`` (15 s here), not
+    the refit's timeout (300 s here), and the next learner's refit goes through on a rebuilt group."""
+    current = kill_a_learner(stack, tmp_path, DIES_JOINING)
+    died = time.monotonic()  # a little after: the aftermath was checked first
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    next_refit_restores_service(stack, publisher, state_b, probe_b, current + 2)
+    # The workers could join the next group only once their rendezvous with the dead learner gave up, 15 s
+    # after they entered it (as the learner died): a restore sooner would mean the kill missed the join.
+    restored = time.monotonic() - died
+    assert restored > 10, f"service restored {restored:.1f} s after the death: the workers were not in the join"

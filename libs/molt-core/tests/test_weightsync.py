@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -147,6 +148,54 @@ def test_gloo_group_moves_mixed_dtypes_bit_exactly() -> None:
             assert got.dtype == tensors[meta.name].dtype and got.shape == tensors[meta.name].shape
             assert torch.equal(got, tensors[meta.name])
             assert tensor_checksum(got) == meta.checksum
+
+
+def test_gloo_join_is_bounded_by_the_join_timeout_and_broadcasts_by_the_refit_timeout() -> None:
+    """A rank whose sender never comes gives up after ``join_timeout_s``, not ``timeout_s``; once joined,
+    a broadcast that starts later than ``join_timeout_s`` still goes through (bounded by ``timeout_s``)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+
+    def member(rank: int, generation: int) -> WeightGroup:
+        return WeightGroup(
+            "127.0.0.1",
+            store.port,
+            rank,
+            2,
+            backend="gloo",
+            generation=generation,
+            device=torch.device("cpu"),
+            timeout_s=120,
+            join_timeout_s=1,
+        )
+
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        member(1, generation=1)
+    assert time.monotonic() - started < 60
+
+    tensors = {"w": torch.arange(10, dtype=torch.float32)}
+    metas = [TensorMeta.of("w", tensors["w"])]
+    groups: dict[int, WeightGroup] = {}
+
+    def join(r: int) -> None:
+        groups[r] = member(r, generation=2)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    received: list[torch.Tensor] = []
+    receiver = threading.Thread(
+        target=lambda: received.extend(t.clone() for _, t in groups[1].receive(metas, bucket_bytes=1024))
+    )
+    receiver.start()
+    time.sleep(2)  # the receiver waits in its broadcast twice the join timeout
+    groups[0].send(metas, tensors, bucket_bytes=1024)
+    receiver.join(timeout=60)
+    assert len(received) == 1 and torch.equal(received[0], tensors["w"])
+    for group in groups.values():
+        group.close()
 
 
 @pytest.mark.gpu

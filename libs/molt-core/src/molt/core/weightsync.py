@@ -224,7 +224,12 @@ def wait_for_sender(store: dist.Store, ready_key: str) -> None:
 
 
 class WeightGroup:
-    """A standalone process group over a TCPStore: rank 0 sends, every other rank receives."""
+    """A standalone process group over a TCPStore: rank 0 sends, every other rank receives.
+
+    ``timeout_s`` bounds each broadcast. On gloo, ``join_timeout_s`` (unset: ``timeout_s``) bounds
+    the rendezvous in the constructor instead: a rank that dies while the others join holds them
+    that long. (NCCL rendezvouses at its first broadcast, under NCCL's own timeout.)
+    """
 
     def __init__(
         self,
@@ -237,8 +242,10 @@ class WeightGroup:
         generation: int,
         device: torch.device,
         timeout_s: float = 600.0,
+        join_timeout_s: float | None = None,
     ) -> None:
         timeout = timedelta(seconds=timeout_s)
+        self.timeout = timeout
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, use_libuv=True)
         self.store = store  # unprefixed: the refits' go and ready keys
         prefixed = dist.PrefixStore(f"molt-weights/{generation}", store)
@@ -250,7 +257,9 @@ class WeightGroup:
         if backend == "nccl":
             self.group: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, world_size)
         elif backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            # The group's own timeout is the rendezvous's; each broadcast passes ``timeout`` (``_start``).
+            join_timeout = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, join_timeout)
         else:
             raise ValueError(f"unknown weight-group backend {backend!r} (nccl or gloo)")
 
@@ -258,6 +267,8 @@ class WeightGroup:
         """Starts broadcasting ``buffer`` in place from rank 0."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        if self.backend == "gloo":
+            opts.timeout = self.timeout
         return self.group.broadcast([buffer], opts)
 
     @staticmethod

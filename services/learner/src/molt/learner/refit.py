@@ -258,6 +258,9 @@ class WeightPublisher:
                 generation=go["generation"],
                 device=device,
                 timeout_s=self.settings.refit_timeout_s,
+                # Twice the engine workers' bound: they may still be in the rendezvous of a learner that
+                # died joining (for up to theirs) when this one starts waiting for them.
+                join_timeout_s=2 * go["join_timeout_s"],
             )
             self.generation = go["generation"]
         assert self.group is not None

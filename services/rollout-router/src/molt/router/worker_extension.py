@@ -94,9 +94,11 @@ class WeightReceiver:
         generation: int,
         timeout_s: float,
         ready_key: str = "",
+        join_timeout_s: float | None = None,
     ) -> int:
-        """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined.
-        With ``ready_key``, first waits for the learner to be on its way (``wait_for_sender``)."""
+        """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined
+        (at most ``join_timeout_s`` on gloo). With ``ready_key``, first waits for the learner to be on
+        its way (``wait_for_sender``)."""
         if ready_key:
             store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
             wait_for_sender(store, ready_key)
@@ -106,7 +108,15 @@ class WeightReceiver:
         device = torch.device("cpu") if backend == "gloo" else torch.device(self.device)
         rank = first_rank + int(getattr(self, "rank", 0))
         self._molt_group = WeightGroup(
-            host, port, rank, world_size, backend=backend, generation=generation, device=device, timeout_s=timeout_s
+            host,
+            port,
+            rank,
+            world_size,
+            backend=backend,
+            generation=generation,
+            device=device,
+            timeout_s=timeout_s,
+            join_timeout_s=join_timeout_s,
         )
         return rank
 

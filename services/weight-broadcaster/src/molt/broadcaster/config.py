@@ -34,3 +34,11 @@ class BroadcasterSettings(ServiceSettings):
         True, description="Also publish each version to the Redis key molt:<run>:policy_version."
     )
     refit_timeout_s: float = Field(600.0, gt=0, description="A refit not finished by then fails and is reported.")
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for every rank to join a new gloo weight group (the rendezvous, milliseconds when "
+        "all are alive): a learner that dies while joining holds the engine workers this long, not "
+        "refit_timeout_s; the learner waits twice as long for them (they may still be in a dead learner's). "
+        "NCCL groups rendezvous at their first broadcast, under NCCL's timeout.",
+    )

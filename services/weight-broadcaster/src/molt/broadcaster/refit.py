@@ -437,6 +437,7 @@ class Broadcaster:
                         self.group.generation,
                         timeout,
                         ready_key,
+                        self.settings.join_timeout_s,
                     )
                     joins.append(engine.actor.collective_rpc.remote("join_weight_group", args))
             bucket_bytes = self._bucket_bytes(request)
@@ -445,6 +446,7 @@ class Broadcaster:
                 "world_size": world,
                 "backend": self._backend(),
                 "bucket_bytes": bucket_bytes,
+                "join_timeout_s": self.settings.join_timeout_s,
             }
             self.store.set(go_key, json.dumps(go))
             if joins:
