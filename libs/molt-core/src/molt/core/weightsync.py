@@ -228,7 +228,8 @@ class WeightGroup:
 
     ``timeout_s`` bounds each broadcast. On gloo, ``join_timeout_s`` (unset: ``timeout_s``) bounds
     the rendezvous in the constructor instead: a rank that dies while the others join holds them
-    that long. (NCCL rendezvouses at its first broadcast, under NCCL's own timeout.)
+    that long. (NCCL rendezvouses at its first broadcast, under NCCL's own timeout.) A receiver given
+    ``ready_key`` first waits for the sender to be on its way (``wait_for_sender``).
     """
 
     def __init__(
@@ -243,11 +244,14 @@ class WeightGroup:
         device: torch.device,
         timeout_s: float = 600.0,
         join_timeout_s: float | None = None,
+        ready_key: str = "",
     ) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.timeout = timeout
         store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, use_libuv=True)
         self.store = store  # unprefixed: the refits' go and ready keys
+        if ready_key:
+            wait_for_sender(store, ready_key)
         prefixed = dist.PrefixStore(f"molt-weights/{generation}", store)
         self.rank = rank
         self.world_size = world_size

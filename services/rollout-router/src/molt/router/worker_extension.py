@@ -24,12 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from molt.core.weightsync import (
     TensorMeta,
@@ -99,15 +97,9 @@ class WeightReceiver:
         """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined
         (at most ``join_timeout_s`` on gloo). With ``ready_key``, first waits for the learner to be on
         its way (``wait_for_sender``)."""
-        if ready_key:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
-            wait_for_sender(store, ready_key)
-        old = getattr(self, "_molt_group", None)
-        if old is not None:
-            old.close()
         device = torch.device("cpu") if backend == "gloo" else torch.device(self.device)
         rank = first_rank + int(getattr(self, "rank", 0))
-        self._molt_group = WeightGroup(
+        group = WeightGroup(
             host,
             port,
             rank,
@@ -117,7 +109,12 @@ class WeightReceiver:
             device=device,
             timeout_s=timeout_s,
             join_timeout_s=join_timeout_s,
+            ready_key=ready_key,
         )
+        old = getattr(self, "_molt_group", None)
+        if old is not None:
+            old.close()
+        self._molt_group = group
         return rank
 
     def receive_weights(self, manifest_json: str, bucket_bytes: int, ready_key: str = "") -> dict[str, Any]:
