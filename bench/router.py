@@ -18,9 +18,11 @@ Streaming by default (``GenerateStream`` against vLLM's DELTA outputs, a message
 FINAL_ONLY outputs (each sample handed out once, finished), the path the RL loop's turns take.
 Each round is one burst (every request sent at once; the round ends with the slowest), or with
 ``--closed-loop SECONDS`` a steady load (each client resends as soon as its request finished, as
-the agent-pool keeps its groups in flight). The router's engine sleeps instead of spinning (its CPU
-default, ``[router.engine] wait``); the direct engine is vLLM as shipped unless ``--direct-wait sleep``.
-Usage: ``uv run python bench/router.py [--unary] [--closed-loop 6] [--direct-wait sleep] [--rounds 6]``.
+the agent-pool keeps its groups in flight). Both engines sleep instead of spinning between steps (the
+router's CPU default, ``[router.engine] wait``, applied to the direct engine too, so that both run the
+same engine); ``--direct-wait spin`` runs the direct engine as vLLM ships it. ``--max-num-seqs`` caps
+vLLM's batch on both sides.
+Usage: ``uv run python bench/router.py [--unary] [--closed-loop 6] [--max-num-seqs 32] [--rounds 6]``.
 """
 
 from __future__ import annotations
@@ -267,8 +269,9 @@ def main() -> None:
     parser.add_argument(
         "--direct-wait",
         choices=("spin", "sleep"),
-        default="spin",
-        help="the same for the direct engine: spin is vLLM's own; sleep applies molt's vLLM plugin to it too",
+        default="sleep",
+        help="the same for the direct engine: sleep (default) applies molt's vLLM plugin to it too, as the "
+        "router's engine; spin is vLLM as shipped",
     )
     parser.add_argument(
         "--max-num-seqs",
