@@ -45,7 +45,8 @@ def with_front(router: Any, body: Callable[[ChatFront, str], Awaitable[T]]) -> T
     async def main() -> T:
         client = RouterClient(router.address)
         info = await client.info()
-        front = ChatFront(AutoTokenizer.from_pretrained(router.model_path), client, TurnLimits(16, info.max_model_len))
+        limits = TurnLimits(16, info.max_model_len, info.max_tokens_cap)
+        front = ChatFront(AutoTokenizer.from_pretrained(router.model_path), client, limits, max_body_bytes=1 << 20)
         server, task, base_url = await start_front(front, f"127.0.0.1:{free_port()}")
         try:
             return await body(front, base_url)
@@ -214,6 +215,80 @@ def test_bad_requests_get_clear_4xx_and_record_nothing(router: Any) -> None:
         ok = await create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3)
         assert ok.choices[0].message.content is not None and len(session.transcript.segments) == 1
         for c in (client, wrong_key, unknown, claude):
+            await c.close()
+
+    with_front(router, body)
+
+
+def test_concurrent_streamed_turns_of_one_session_take_turns(router: Any) -> None:
+    """Two different follow-ups streamed at once on one session: the second waits until the first is
+    committed, then, no longer extending the conversation the transcript holds, starts a segment of its
+    own. (When the streamed turns ran outside the session's lock, both were planned on the same
+    transcript and both appended to one segment: the later one's sampled tokens recorded after a context
+    the engine never saw.)"""
+
+    async def body(front: ChatFront, base_url: str) -> None:
+        session = front.open_session()
+        client = openai_client(base_url, session)
+        first = [{"role": "user", "content": "1+1="}]
+        reply = await client.chat.completions.create(model="m", messages=first, max_tokens=4, seed=1)
+        history = [*first, {"role": "assistant", "content": reply.choices[0].message.content}]
+
+        async def follow_up(text: str) -> str:
+            messages = [*history, {"role": "user", "content": text}]
+            stream = await client.chat.completions.create(
+                model="m", messages=messages, max_tokens=24, seed=2, stream=True
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        await asyncio.gather(follow_up("2+2="), follow_up("3+3="))
+        segments = session.transcript.segments
+        assert [s.turns for s in segments] == [2, 1]
+        for segment in segments:  # every sampled run sits right after the prompt it was sampled on
+            assert len(segment.loss_mask) == len(segment.response_ids) == len(segment.logprobs)
+        await client.close()
+
+    with_front(router, body)
+
+
+def test_refusals_come_before_a_stream_starts_and_malformed_fields_get_400(router: Any) -> None:
+    """A streamed request the router refuses gets an HTTP error (not a 200 and a cut stream); a field of
+    the wrong type gets 400 naming it (not a 500); a body over the front's limit gets 413; max_tokens
+    above the router's cap is clamped to it, as an upper bound should be. Nothing refused is recorded."""
+
+    async def body(front: ChatFront, base_url: str) -> None:
+        session = front.open_session()
+        client = openai_client(base_url, session)
+        claude = anthropic_client(base_url, session)
+        too_long = [{"role": "user", "content": "7+" * 2000}]
+        with pytest.raises(openai.BadRequestError, match="fills the model's context"):
+            await client.chat.completions.create(model="m", messages=too_long, stream=True)
+        with pytest.raises(anthropic.BadRequestError, match="fills the model's context"):
+            await claude.messages.create(model="m", max_tokens=4, messages=too_long, stream=True)
+        url = f"{base_url}/s/{session.id}/v1/chat/completions"
+        headers = {"Authorization": f"Bearer {session.key}"}
+        user = [{"role": "user", "content": "x"}]
+        bad = {
+            "max_tokens": {"messages": user, "max_tokens": "abc"},
+            "stop": {"messages": user, "stop": 5},
+            "seed": {"messages": user, "seed": 1.5},
+            "stream": {"messages": user, "stream": "yes"},
+            "tools": {"messages": user, "tools": [1]},
+            "tool_calls[0]": {"messages": [*user, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+            "top_logprobs": {"messages": user, "top_logprobs": 3},
+        }
+        async with httpx.AsyncClient(timeout=60) as http:
+            for field, request in bad.items():
+                reply = await http.post(url, json={"model": "m", **request}, headers=headers)
+                assert reply.status_code == 400 and field in reply.json()["error"]["message"], (field, reply.text)
+            big = await http.post(
+                url, json={"model": "m", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, headers=headers
+            )
+            assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large", big.text
+        assert session.transcript.segments == []
+        capped = await client.chat.completions.create(model="m", messages=user, max_tokens=100_000, seed=3)
+        assert capped.usage.completion_tokens <= front.limits.max_tokens_cap
+        for c in (client, claude):
             await c.close()
 
     with_front(router, body)

@@ -113,11 +113,26 @@ def test_openai_messages_normalise() -> None:
             "not a JSON object",
         ),
         ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], "not a JSON object"),
+        ([{"role": "assistant", "tool_calls": [{"id": "c"}]}], r"tool_calls\[0\] must be an object with function.name"),
+        ([{"role": "assistant", "tool_calls": ["c"]}], r"tool_calls\[0\] must be an object with function.name"),
     ],
 )
 def test_openai_messages_refuse_malformed(raw: Any, error: str) -> None:
     with pytest.raises(InvalidInput, match=error):
         fmt.openai_messages(raw)
+
+
+def test_empty_tool_arguments_are_an_empty_object_and_tools_are_checked() -> None:
+    """Some clients send ``arguments: ""`` (or null) for a tool without parameters."""
+    for empty in ("", "  ", None):
+        call = {"id": "c", "function": {"name": "now", "arguments": empty}}
+        (message,) = fmt.openai_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+        assert message["tool_calls"][0]["function"]["arguments"] == {}
+    tool = {"type": "function", "function": {"name": "now", "parameters": {}}}
+    assert fmt.openai_tools([tool]) == [tool] and fmt.openai_tools(None) is None
+    for bad in ([1], "abc", [{"type": "function"}], [{"function": {"name": 3}}]):
+        with pytest.raises(InvalidInput, match=r"function\.name"):
+            fmt.openai_tools(bad)
 
 
 def test_openai_response_shapes() -> None:
@@ -193,6 +208,8 @@ def test_a_user_turn_of_only_tool_results_adds_no_empty_user_message() -> None:
         ([{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}], "unsupported content block"),
         ([{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}], "unsupported"),
         ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "'image'"),
+        ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}], "needs a name"),
+        ([{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "The sum is"}], "prefill"),
     ],
 )
 def test_anthropic_messages_refuse_malformed(raw: Any, error: str) -> None:

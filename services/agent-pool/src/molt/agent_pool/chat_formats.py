@@ -86,6 +86,8 @@ def _text(content: Any, where: str) -> str:
 def _arguments(raw: Any, where: str) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
+    if raw is None or (isinstance(raw, str) and not raw.strip()):  # a tool without arguments, as some clients send it
+        return {}
     try:
         value = json.loads(raw)
     except (TypeError, ValueError) as exc:
@@ -117,28 +119,41 @@ def openai_messages(raw: Any) -> list[Message]:
             calls = item["tool_calls"]
             if not isinstance(calls, list):
                 raise InvalidInput(f"{where}.tool_calls must be a list")
-            message["tool_calls"] = [
-                {
-                    "id": c.get("id", ""),
-                    "type": "function",
-                    "function": {
-                        "name": c["function"]["name"],
-                        "arguments": _arguments(c["function"]["arguments"], where),
-                    },
-                }
-                for c in calls
-            ]
+            message["tool_calls"] = [_openai_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]
         if role == "tool":
             message["tool_call_id"] = item.get("tool_call_id", "")
         messages.append(message)
     return messages
 
 
+def _openai_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidInput(f"{where} must be an object with function.name")
+    return {
+        "id": call.get("id", ""),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"), where)},
+    }
+
+
+def openai_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """Checks OpenAI tool definitions (what the chat template renders)."""
+    if not raw:
+        return None
+    if not isinstance(raw, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in raw
+    ):
+        raise InvalidInput("tools must be a list of objects with function.name")
+    return raw
+
+
 def anthropic_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Anthropic tool definitions as the OpenAI-style schemas the chat template renders."""
     if not raw:
         return None
-    if not isinstance(raw, list) or not all(isinstance(t, dict) and "name" in t for t in raw):
+    if not isinstance(raw, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in raw):
         raise InvalidInput("tools must be a list of objects with a name")
     return [
         {
@@ -171,6 +186,11 @@ def anthropic_messages(system: Any, raw: Any) -> list[Message]:
         if not isinstance(blocks, list):
             raise InvalidInput(f"{where}.content must be a string or a list of blocks")
         messages.extend(_anthropic_blocks(item["role"], blocks, where))
+    if raw[-1].get("role") == "assistant":
+        raise InvalidInput(
+            "a final assistant message (prefill) is not supported: the reply would not continue it",
+            reason="PREFILL_UNSUPPORTED",
+        )
     return messages
 
 
@@ -183,6 +203,8 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[Message]
         if kind == "text":
             texts.append(_text(block.get("text"), where))
         elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise InvalidInput(f"{where}: a tool_use block needs a name and an object input")
             calls.append(
                 {
                     "id": block.get("id", ""),

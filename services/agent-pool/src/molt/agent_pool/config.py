@@ -49,6 +49,12 @@ class AgentPoolSettings(ServiceSettings):
 
     listen: str = Field("127.0.0.1:50052", description="gRPC listen address host:port.")
     http_listen: str = Field("127.0.0.1:8000", description="OpenAI/Anthropic HTTP front host:port.")
+    http_max_body_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body the HTTP front reads (HTTP 413 above it): rendering and tokenizing a "
+        "body takes ~1.7 s per MB on one core.",
+    )
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     router_address: str = Field("127.0.0.1:50051", description="RolloutService address host:port.")
     broadcaster_address: str = Field(

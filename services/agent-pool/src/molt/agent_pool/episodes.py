@@ -34,10 +34,11 @@ class Episode:
 
 @dataclass(frozen=True)
 class TurnLimits:
-    """Per-turn generation budget and the model's context."""
+    """Per-turn generation budget, the model's context and the router's cap on a turn's max_tokens."""
 
     max_tokens: int
     max_model_len: int
+    max_tokens_cap: int = 0  # 0: none known
 
 
 async def run_env_episode(

@@ -4,8 +4,13 @@ Each episode gets a session: its own base URL (``/s/<session>/v1``) and key
 (``Authorization: Bearer`` or ``x-api-key``). Turns of one session are
 serialised; a turn is planned on the session's transcript, generated through
 the router and committed only when generation succeeded; an identical retried
-request gets the cached reply and records nothing. Protected sampling values
-are forwarded to the router, which refuses overrides (HTTP 400 here).
+request gets the cached reply and records nothing. A streamed turn holds its
+session until it is committed, and the router has accepted it before the
+response starts, so a refused request is an HTTP error, never a cut stream.
+Protected sampling values are forwarded to the router, which refuses overrides
+(HTTP 400 here). ``max_tokens`` is an upper bound: clamped to the router's cap
+and to the room left in the model's context. Request fields are type-checked
+(HTTP 400), bodies above ``max_body_bytes`` refused (HTTP 413).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -34,11 +40,59 @@ from molt.core.errors import InvalidInput, MoltError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 CACHE_SIZE = 8
-HTTP_STATUS = {InvalidInput: 400, NotFound: 404, Unavailable: 503}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+INT64 = 1 << 63
+Chunks = AsyncIterator[tuple[int, Any]]  # (sample index, chunk) as the router streams them
 
 
 class Unauthorized(MoltError):
     reason = "UNAUTHORIZED"
+
+
+class TooLarge(MoltError):
+    reason = "PAYLOAD_TOO_LARGE"
+
+
+HTTP_STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, TooLarge: 413, Unavailable: 503}
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int = INT64 - 1) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidInput(f"{name} must be an integer in [{low}, {high}], got {json.dumps(value)[:40]}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidInput(f"{name} must be a number, got {json.dumps(value)[:40]}")
+    return float(value)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _stops(body: dict[str, Any], name: str, single: bool) -> tuple[str, ...]:
+    """A list of strings (or, where the API allows it, one string)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if single and isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidInput(f"{name} must be {'a string or ' if single else ''}a list of strings")
+    return tuple(value)
 
 
 @dataclass
@@ -66,15 +120,24 @@ class Turn:
     top_logprobs: int = 0
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+    logprobs: bool = False
 
 
 class ChatFront:
     """Sessions plus the FastAPI app serving them."""
 
-    def __init__(self, tokenizer: Any, router: RouterClient, limits: TurnLimits) -> None:
+    def __init__(
+        self, tokenizer: Any, router: RouterClient, limits: TurnLimits, max_body_bytes: int = 4 * 1024 * 1024
+    ) -> None:
         self.tokenizer = tokenizer
         self.router = router
         self.limits = limits
+        self.max_body_bytes = max_body_bytes
+        self._streams: set[asyncio.Task[None]] = set()  # streamed turns' tasks, held until they end
         self.sessions: dict[str, Session] = {}
         self.app = FastAPI(title="molt agent-pool front")
         self.app.post("/s/{session_id}/v1/chat/completions")(self.chat_completions)
@@ -120,13 +183,32 @@ class ChatFront:
         if not secrets.compare_digest(key, session.key):
             raise Unauthorized("missing or wrong API key for this session")
         try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            raise InvalidInput(f"request body is not JSON: {exc}") from exc
+            body = json.loads(await self._body(request))
+        except (ValueError, RecursionError) as exc:
+            raise InvalidInput(f"request body is not JSON: {str(exc)[:200]}") from exc
         if not isinstance(body, dict):
             raise InvalidInput("request body must be a JSON object")
         digest = hashlib.sha256(f"{request.url.path}\0{json.dumps(body, sort_keys=True)}".encode()).hexdigest()
         return session, body, digest
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, read no further than ``max_body_bytes``."""
+        declared = request.headers.get("content-length", "")
+        too_large = TooLarge(f"request body over {self.max_body_bytes} bytes ([agent_pool] http_max_body_bytes)")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _plan(self, session: Session, turn: Turn) -> TurnPlan:
+        """The turn planned on the session's transcript, off the event loop (rendering and tokenizing a long
+        conversation takes seconds that every other session would wait)."""
+        return await asyncio.to_thread(session.transcript.plan, turn.messages, turn.tools)
 
     def _request(self, session: Session, turn: Turn, plan: TurnPlan) -> GenerationRequest:
         room = self.limits.max_model_len - len(plan.prompt_ids)
@@ -141,13 +223,16 @@ class ChatFront:
             request_id=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}",
             session_id=session.id,
             prompt_ids=plan.prompt_ids,
-            max_tokens=min(turn.max_tokens or self.limits.max_tokens, room),
+            max_tokens=min(turn.max_tokens or self.limits.max_tokens, room, self.limits.max_tokens_cap or room),
             sample_count=turn.sample_count,
             stop_strings=turn.stop,
             seed=turn.seed,
             top_logprob_count=turn.top_logprobs,
             temperature=turn.temperature,
             top_p=turn.top_p,
+            top_k=turn.top_k,
+            min_p=turn.min_p,
+            repetition_penalty=turn.repetition_penalty,
         )
 
     def _reply(self, session: Session, turn: Turn, sample: Sample, id_prefix: str = "call_") -> fmt.ParsedReply:
@@ -158,12 +243,31 @@ class ChatFront:
     def _commit(self, session: Session, plan: TurnPlan, sample: Sample, reply: fmt.ParsedReply) -> None:
         session.transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, fmt.internal_reply(reply))
 
-    async def _stream_text(
-        self, session: Session, turn: Turn, plan: TurnPlan, sample: Sample, live: bool
-    ) -> AsyncIterator[str]:
+    async def _open_stream(self, session: Session, turn: Turn, plan: TurnPlan) -> Chunks:
+        """The router's stream for this turn, its first chunk already received: a request the router
+        refuses raises here, before the HTTP response starts."""
+        chunks = self.router.stream(self._request(session, turn, plan))
+        try:
+            first = await anext(chunks, None)
+        except BaseException:
+            await chunks.aclose()
+            raise
+
+        async def primed() -> Chunks:
+            try:
+                if first is not None:
+                    yield first
+                async for item in chunks:
+                    yield item
+            finally:
+                await chunks.aclose()
+
+        return primed()
+
+    async def _stream_text(self, session: Session, chunks: Chunks, sample: Sample, live: bool) -> AsyncIterator[str]:
         """Yields text deltas of sample 0 as tokens arrive (all at the end when ``live`` is False)."""
         sent = ""
-        async for _, chunk in self.router.stream(self._request(session, turn, plan)):
+        async for _, chunk in chunks:
             sample.extend(chunk)
             text = session.transcript.reply_text(sample.token_ids)
             if live and not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a split character
@@ -177,37 +281,50 @@ class ChatFront:
 
     def _openai_turn(self, body: dict[str, Any]) -> Turn:
         for name in ("frequency_penalty", "presence_penalty"):
-            if body.get(name):
+            if _number(body, name):
                 raise InvalidInput(f"{name} is protected: leave it unset", reason="PROTECTED_SAMPLING_OVERRIDE")
-        stop = body.get("stop") or ()
-        turn = Turn(
-            messages=fmt.openai_messages(body.get("messages")),
-            tools=body.get("tools") or None,
-            max_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or 0),
-            sample_count=int(body.get("n") or 1),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            seed=body.get("seed"),
-            top_logprobs=int(body.get("top_logprobs") or (1 if body.get("logprobs") else 0)),
-            temperature=body.get("temperature"),
-            top_p=body.get("top_p"),
-        )
-        if body.get("stream") and turn.sample_count > 1:
+        stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
+        top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top_logprobs is not None and not logprobs:
+            raise InvalidInput("top_logprobs needs logprobs = true")
+        if logprobs and stream:
+            raise InvalidInput("logprobs are not supported with stream = true")
+        max_tokens = _integer(body, "max_completion_tokens", 1)
+        sample_count = _integer(body, "n", 1) or 1
+        if stream and sample_count > 1:
             raise InvalidInput("n > 1 is not supported with stream = true")
-        return turn
+        return Turn(
+            messages=fmt.openai_messages(body.get("messages")),
+            tools=fmt.openai_tools(body.get("tools")),
+            max_tokens=(max_tokens if max_tokens is not None else _integer(body, "max_tokens", 1)) or 0,
+            sample_count=sample_count,
+            stop=_stops(body, "stop", single=True),
+            seed=_integer(body, "seed", -INT64),
+            top_logprobs=top_logprobs or 0,
+            temperature=_number(body, "temperature"),
+            top_p=_number(body, "top_p"),
+            top_k=_integer(body, "top_k", -1, 2**31 - 1),  # vLLM-style extras: the router refuses overrides
+            min_p=_number(body, "min_p"),
+            repetition_penalty=_number(body, "repetition_penalty"),
+            stream=stream,
+            logprobs=logprobs,
+        )
 
     async def chat_completions(self, session_id: str, request: Request) -> Response:
         return await self._guard("openai", session_id, request, self._chat_completions)
 
     async def _chat_completions(self, session: Session, body: dict[str, Any], digest: str) -> Response:
         turn = self._openai_turn(body)
-        plan = session.transcript.plan(turn.messages, turn.tools)
+        plan = await self._plan(session, turn)
         model, created, cid = str(body.get("model", "molt")), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        if body.get("stream"):
-            return self._sse(session, digest, self._openai_events(session, turn, plan, model, created, cid, body))
+        if turn.stream:
+            chunks = await self._open_stream(session, turn, plan)
+            events = self._openai_events(session, turn, plan, chunks, model, created, cid, body)
+            return self._sse("openai", session, digest, events)
         samples = await self.router.generate(self._request(session, turn, plan))
         replies = [self._reply(session, turn, s) for s in samples]
         self._commit(session, plan, samples[0], replies[0])
-        logprobs = [self._openai_logprobs(s) if body.get("logprobs") else None for s in samples]
+        logprobs = [self._openai_logprobs(s) if turn.logprobs else None for s in samples]
         reply = fmt.openai_response(
             cid,
             model,
@@ -231,7 +348,15 @@ class ChatFront:
         ]
 
     async def _openai_events(
-        self, session: Session, turn: Turn, plan: TurnPlan, model: str, created: int, cid: str, body: dict[str, Any]
+        self,
+        session: Session,
+        turn: Turn,
+        plan: TurnPlan,
+        chunks: Chunks,
+        model: str,
+        created: int,
+        cid: str,
+        body: dict[str, Any],
     ) -> AsyncIterator[str]:
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             return json.dumps(
@@ -246,7 +371,7 @@ class ChatFront:
 
         sample = Sample()
         yield chunk({"role": "assistant", "content": ""})
-        async for delta in self._stream_text(session, turn, plan, sample, live=not turn.tools):
+        async for delta in self._stream_text(session, chunks, sample, live=not turn.tools):
             yield chunk({"content": delta})
         reply = self._reply(session, turn, sample)
         self._commit(session, plan, sample, reply)
@@ -259,7 +384,8 @@ class ChatFront:
         if "tool_calls" in message:
             yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]})
         yield chunk({}, final["choices"][0]["finish_reason"])
-        if (body.get("stream_options") or {}).get("include_usage"):
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
             yield json.dumps(
                 {
                     "id": cid,
@@ -275,17 +401,18 @@ class ChatFront:
     # -- Anthropic ----------------------------------------------------------------------------
 
     def _anthropic_turn(self, body: dict[str, Any]) -> Turn:
-        if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
-            raise InvalidInput("max_tokens is required and must be a positive integer")
-        if body.get("top_k") is not None:
-            raise InvalidInput("top_k is protected: leave it unset", reason="PROTECTED_SAMPLING_OVERRIDE")
+        max_tokens = _integer(body, "max_tokens", 1)
+        if max_tokens is None:
+            raise InvalidInput("max_tokens is required")
         return Turn(
             messages=fmt.anthropic_messages(body.get("system"), body.get("messages")),
             tools=fmt.anthropic_tools(body.get("tools")),
-            max_tokens=body["max_tokens"],
-            stop=tuple(body.get("stop_sequences") or ()),
-            temperature=body.get("temperature"),
-            top_p=body.get("top_p"),
+            max_tokens=max_tokens,
+            stop=_stops(body, "stop_sequences", single=False),
+            temperature=_number(body, "temperature"),
+            top_p=_number(body, "top_p"),
+            top_k=_integer(body, "top_k", -1, 2**31 - 1),  # the router refuses an override
+            stream=_flag(body, "stream"),
         )
 
     async def messages(self, session_id: str, request: Request) -> Response:
@@ -293,10 +420,13 @@ class ChatFront:
 
     async def _messages(self, session: Session, body: dict[str, Any], digest: str) -> Response:
         turn = self._anthropic_turn(body)
-        plan = session.transcript.plan(turn.messages, turn.tools)
+        plan = await self._plan(session, turn)
         model, mid = str(body.get("model", "molt")), f"msg_{uuid.uuid4().hex}"
-        if body.get("stream"):
-            return self._sse(session, digest, self._anthropic_events(session, turn, plan, model, mid), named=True)
+        if turn.stream:
+            chunks = await self._open_stream(session, turn, plan)
+            return self._sse(
+                "anthropic", session, digest, self._anthropic_events(session, turn, plan, chunks, model, mid)
+            )
         (sample,) = await self.router.generate(self._request(session, turn, plan))
         reply = self._reply(session, turn, sample, "toolu_")
         self._commit(session, plan, sample, reply)
@@ -316,7 +446,7 @@ class ChatFront:
         )
 
     async def _anthropic_events(
-        self, session: Session, turn: Turn, plan: TurnPlan, model: str, mid: str
+        self, session: Session, turn: Turn, plan: TurnPlan, chunks: Chunks, model: str, mid: str
     ) -> AsyncIterator[str]:
         def event(kind: str, **data: Any) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}"
@@ -334,7 +464,7 @@ class ChatFront:
         }
         yield event("message_start", message=start)
         text_open = False
-        async for delta in self._stream_text(session, turn, plan, sample, live=not turn.tools):
+        async for delta in self._stream_text(session, chunks, sample, live=not turn.tools):
             if not text_open:
                 yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
                 text_open = True
@@ -375,32 +505,64 @@ class ChatFront:
     # -- plumbing -----------------------------------------------------------------------------
 
     def _remember(self, session: Session, digest: str, reply: Any) -> Response:
+        self._cache(session, digest, reply)
+        return JSONResponse(reply)
+
+    @staticmethod
+    def _cache(session: Session, digest: str, reply: Any) -> None:
         session.cache[digest] = reply
         while len(session.cache) > CACHE_SIZE:
             session.cache.popitem(last=False)
-        return JSONResponse(reply)
 
-    def _sse(self, session: Session, digest: str, events: AsyncIterator[str], named: bool = False) -> Response:
-        async def body() -> AsyncIterator[str]:
+    def _sse(self, api: str, session: Session, digest: str, events: AsyncIterator[str]) -> Response:
+        """Streams ``events`` as server-sent events. They run in a task of their own, which holds the
+        session's lock (``_guard`` hands it over) until the turn is committed or has failed: no other
+        turn of the session runs meanwhile. A client that goes away cancels it (the generation is
+        aborted, nothing recorded); an error once streaming has begun ends the stream with an error event."""
+        lines: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def line(item: str) -> str:
+            return f"{item}\n\n" if api == "anthropic" else f"data: {item}\n\n"
+
+        async def produce() -> None:
             sent: list[str] = []
-            async for item in events:
-                if not item:
-                    continue
-                line = f"{item}\n\n" if named else f"data: {item}\n\n"
-                sent.append(line)
-                yield line
-            session.cache[digest] = sent  # complete: a retry replays it
-            while len(session.cache) > CACHE_SIZE:
-                session.cache.popitem(last=False)
+            try:
+                async for item in events:
+                    if item:
+                        sent.append(line(item))
+                        lines.put_nowait(sent[-1])
+                self._cache(session, digest, sent)  # complete: a retry replays it
+            except Exception as exc:
+                status = _status(exc)
+                message = exc.message if isinstance(exc, MoltError) else f"internal error: {type(exc).__name__}"
+                log.warning("front stream failed", exc_info=not isinstance(exc, MoltError), extra={"api": api})
+                error = json.dumps(error_body(api, status, message))
+                lines.put_nowait(line(f"event: error\ndata: {error}" if api == "anthropic" else error))
+            finally:
+                lines.put_nowait(None)
+                session.lock.release()
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        task = asyncio.create_task(produce())
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                while (item := await lines.get()) is not None:
+                    yield item
+            finally:
+                task.cancel()  # nothing once the task is done; else the client left
+
+        return SessionStream(body(), media_type="text/event-stream")
 
     async def _guard(
         self, api: str, session_id: str, request: Request, handler: Callable[[Session, dict[str, Any], str], Any]
     ) -> Response:
         try:
             session, body, digest = await self._session(session_id, request)
-            async with session.lock:
+            await session.lock.acquire()
+            handed_over = False  # to a streamed turn's task, which releases it
+            try:
                 if digest in session.cache:  # an identical retry: same reply, nothing recorded
                     cached = session.cache[digest]
                     metrics.FRONT_REQUESTS.labels(api, "200").inc()
@@ -408,28 +570,43 @@ class ChatFront:
                         return StreamingResponse(iter(cached), media_type="text/event-stream")
                     return JSONResponse(cached)
                 response: Response = await handler(session, body, digest)
+                handed_over = isinstance(response, SessionStream)
                 metrics.FRONT_REQUESTS.labels(api, str(response.status_code)).inc()
                 return response
-        except MoltError as exc:
-            status = (
-                401
-                if isinstance(exc, Unauthorized)
-                else next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
-            )
-            log.warning(
-                "front request refused",
-                extra={"api": api, "status": status, "reason": exc.reason, "error": exc.message},
-            )
+            finally:
+                if not handed_over:
+                    session.lock.release()
+        except Exception as exc:
+            status = _status(exc)
+            if isinstance(exc, MoltError):
+                message = exc.message
+                log.warning(
+                    "front request refused",
+                    extra={"api": api, "status": status, "reason": exc.reason, "error": exc.message},
+                )
+            else:
+                message = f"internal error: {type(exc).__name__}"
+                log.exception("front request failed", extra={"api": api})
             metrics.FRONT_REQUESTS.labels(api, str(status)).inc()
-            return error_response(api, status, exc.message)
+            return JSONResponse(error_body(api, status, message), status_code=status)
 
 
-def error_response(api: str, status: int, message: str) -> JSONResponse:
-    """An error body in the shape the API's official SDK parses."""
+class SessionStream(StreamingResponse):
+    """A streamed turn; its task holds the session's lock until the turn is over."""
+
+
+def _status(exc: BaseException) -> int:
+    return next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
+
+
+def error_body(api: str, status: int, message: str) -> dict[str, Any]:
+    """An error in the shape the API's official SDK parses."""
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+    }.get(status, "api_error")
     if api == "anthropic":
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
-            status, "api_error"
-        )
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "api_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "code": status}}

@@ -54,6 +54,9 @@ class GenerationRequest:
     top_logprob_count: int = 0
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class RouterInfo:
     policy_version: int
     max_model_len: int
     vocab_size: int
+    max_tokens_cap: int = 0  # the most max_tokens a request may ask for (0: not reported)
 
 
 def _to_error(exc: grpc.aio.AioRpcError) -> MoltError:
@@ -91,7 +95,7 @@ class RouterClient:
             stop_strings=req.stop_strings,
             top_logprob_count=req.top_logprob_count,
         )
-        for name in ("seed", "temperature", "top_p"):
+        for name in ("seed", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(req, name) is not None:
                 setattr(params, name, getattr(req, name))
         return {
@@ -128,4 +132,4 @@ class RouterClient:
             status = await self.stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
         except grpc.aio.AioRpcError as exc:
             raise _to_error(exc) from exc
-        return RouterInfo(status.policy_version, status.max_model_len, status.vocab_size)
+        return RouterInfo(status.policy_version, status.max_model_len, status.vocab_size, status.max_tokens_cap)

@@ -157,8 +157,8 @@ async def serve(settings: AgentPoolSettings) -> None:
     info = await router.info()  # fails fast, with the address, when the router is not there
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
     agent_cls = load_agent(settings.agent)
-    limits = TurnLimits(settings.max_tokens, info.max_model_len)
-    front = ChatFront(tokenizer, router, limits)
+    limits = TurnLimits(settings.max_tokens, info.max_model_len, info.max_tokens_cap)
+    front = ChatFront(tokenizer, router, limits, max_body_bytes=settings.http_max_body_bytes)
     server, front_task, base_url = await start_front(front, settings.http_listen)
     if issubclass(agent_cls, Env):
         runner = env_runner(agent_cls, tokenizer, router, limits)
