@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -247,6 +248,34 @@ def test_concurrent_streamed_turns_of_one_session_take_turns(router: Any) -> Non
         for segment in segments:  # every sampled run sits right after the prompt it was sampled on
             assert len(segment.loss_mask) == len(segment.response_ids) == len(segment.logprobs)
         await client.close()
+
+    with_front(router, body)
+
+
+def test_a_turn_still_running_when_its_episode_ends_is_not_recorded(router: Any) -> None:
+    """An agent that returns without waiting for its last request: the session closes and that turn,
+    plain or streamed, is not added to the episode the pool has already taken."""
+
+    async def body(front: ChatFront, base_url: str) -> None:
+        for stream in (False, True):
+            session = front.open_session()
+            client = openai_client(base_url, session)
+            messages = [{"role": "user", "content": "1+1="}]
+            request = asyncio.create_task(
+                client.chat.completions.create(model="m", messages=messages, max_tokens=64, seed=5, stream=stream)
+            )
+            while session.turns == 0:  # planned and sent to the router
+                await asyncio.sleep(0.001)
+            front.close_session(session.id)
+            if stream:
+                response = await request
+                with contextlib.suppress(openai.APIError, httpx.HTTPError):
+                    _ = [chunk async for chunk in response]
+            else:
+                with pytest.raises(openai.NotFoundError, match="ended before this turn finished"):
+                    await request
+            assert session.transcript.segments == [], stream
+            await client.close()
 
     with_front(router, body)
 

@@ -52,7 +52,7 @@ async def run_env_episode(
     for turn in range(env.max_turns):
         plan = transcript.plan(messages, env.tools)
         cap = limits.max_tokens if env.max_tokens is None else min(env.max_tokens, limits.max_tokens)
-        budget = min(cap, limits.max_model_len - len(plan.prompt_ids))
+        budget = min(cap, limits.max_model_len - len(plan.prompt_ids), limits.max_tokens_cap or cap)
         if budget < 1:
             break  # the conversation filled the context: the episode ends as truncated
         request = GenerationRequest(f"{rollout_id}-{turn}", rollout_id, plan.prompt_ids, max_tokens=budget)

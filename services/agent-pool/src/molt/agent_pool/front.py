@@ -16,6 +16,7 @@ and to the room left in the model's context. Request fields are type-checked
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,12 +25,13 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from molt.agent_pool import chat_formats as fmt
 from molt.agent_pool import metrics
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 CACHE_SIZE = 8
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 INT64 = 1 << 63
-Chunks = AsyncIterator[tuple[int, Any]]  # (sample index, chunk) as the router streams them
+Chunks = AsyncGenerator[tuple[int, Any], None]  # (sample index, chunk) as the router streams them
 
 
 class Unauthorized(MoltError):
@@ -105,6 +107,8 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     cache: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     turns: int = 0
+    closed: bool = False  # the episode is over: nothing more is recorded
+    streams: set[asyncio.Task[None]] = field(default_factory=set)  # its streamed turns' tasks, until they end
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,12 @@ class ChatFront:
         self.router = router
         self.limits = limits
         self.max_body_bytes = max_body_bytes
-        self._streams: set[asyncio.Task[None]] = set()  # streamed turns' tasks, held until they end
+        # Plans run in worker threads on this tokenizer: a truncation or padding setting left in its
+        # tokenizer.json would be switched off by the first encode, which needs it to itself.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            backend.no_truncation()
+            backend.no_padding()
         self.sessions: dict[str, Session] = {}
         self.app = FastAPI(title="molt agent-pool front")
         self.app.post("/s/{session_id}/v1/chat/completions")(self.chat_completions)
@@ -170,7 +179,13 @@ class ChatFront:
         return session
 
     def close_session(self, session_id: str) -> Session:
-        return self.sessions.pop(session_id)
+        """Ends the session: a turn still running (the agent returned without waiting for it) is aborted
+        when streamed and, either way, not recorded: the episode is what the agent saw."""
+        session = self.sessions.pop(session_id)
+        session.closed = True
+        for task in session.streams:
+            task.cancel()
+        return session
 
     # -- shared turn logic --------------------------------------------------------------------
 
@@ -198,11 +213,14 @@ class ChatFront:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect as exc:
+            raise InvalidInput("the client left while sending its request", reason="CLIENT_DISCONNECTED") from exc
         return b"".join(chunks)
 
     async def _plan(self, session: Session, turn: Turn) -> TurnPlan:
@@ -241,6 +259,8 @@ class ChatFront:
         return fmt.parse_reply(text, id_prefix) if turn.tools else fmt.ParsedReply(text)
 
     def _commit(self, session: Session, plan: TurnPlan, sample: Sample, reply: fmt.ParsedReply) -> None:
+        if session.closed:
+            raise NotFound(f"session {session.id!r} ended before this turn finished: not recorded")
         session.transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, fmt.internal_reply(reply))
 
     async def _open_stream(self, session: Session, turn: Turn, plan: TurnPlan) -> Chunks:
@@ -267,12 +287,13 @@ class ChatFront:
     async def _stream_text(self, session: Session, chunks: Chunks, sample: Sample, live: bool) -> AsyncIterator[str]:
         """Yields text deltas of sample 0 as tokens arrive (all at the end when ``live`` is False)."""
         sent = ""
-        async for _, chunk in chunks:
-            sample.extend(chunk)
-            text = session.transcript.reply_text(sample.token_ids)
-            if live and not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a split character
-                yield text[len(sent) :]
-                sent = text
+        async with contextlib.aclosing(chunks):  # closed here (the router's call cancelled) if this fails
+            async for _, chunk in chunks:
+                sample.extend(chunk)
+                text = session.transcript.reply_text(sample.token_ids)
+                if live and not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a split character
+                    yield text[len(sent) :]
+                    sent = text
         text = session.transcript.reply_text(sample.token_ids)
         if live and len(text) > len(sent):  # whatever was held back (bytes that never formed a character)
             yield text[len(sent) :]
@@ -285,12 +306,12 @@ class ChatFront:
                 raise InvalidInput(f"{name} is protected: leave it unset", reason="PROTECTED_SAMPLING_OVERRIDE")
         stream, logprobs = _flag(body, "stream"), _flag(body, "logprobs")
         top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if top_logprobs is not None and not logprobs:
+        if top_logprobs and not logprobs:
             raise InvalidInput("top_logprobs needs logprobs = true")
         if logprobs and stream:
             raise InvalidInput("logprobs are not supported with stream = true")
         max_tokens = _integer(body, "max_completion_tokens", 1)
-        sample_count = _integer(body, "n", 1) or 1
+        sample_count = _integer(body, "n", 1, 2**31 - 1) or 1
         if stream and sample_count > 1:
             raise InvalidInput("n > 1 is not supported with stream = true")
         return Turn(
@@ -540,11 +561,15 @@ class ChatFront:
                 lines.put_nowait(line(f"event: error\ndata: {error}" if api == "anthropic" else error))
             finally:
                 lines.put_nowait(None)
-                session.lock.release()
+
+        def done(task: asyncio.Task[None]) -> None:
+            # Here, not in ``produce``: a task cancelled before its first step never runs its body.
+            session.lock.release()
+            session.streams.discard(task)
 
         task = asyncio.create_task(produce())
-        self._streams.add(task)
-        task.add_done_callback(self._streams.discard)
+        session.streams.add(task)  # also holds it: the event loop keeps only weak references to tasks
+        task.add_done_callback(done)
 
         async def body() -> AsyncIterator[str]:
             try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,15 +105,18 @@ class RouterClient:
             "sampling_params": params,
         }
 
-    async def stream(self, req: GenerationRequest) -> AsyncIterator[tuple[int, rollout_pb2.GenerateStreamResponse]]:
+    async def stream(
+        self, req: GenerationRequest
+    ) -> AsyncGenerator[tuple[int, rollout_pb2.GenerateStreamResponse], None]:
         """Yields ``(sample_index, chunk)`` as the router streams them."""
+        call = self.stub.GenerateStream(rollout_pb2.GenerateStreamRequest(**self._request(req)), timeout=self.timeout_s)
         try:
-            async for chunk in self.stub.GenerateStream(
-                rollout_pb2.GenerateStreamRequest(**self._request(req)), timeout=self.timeout_s
-            ):
+            async for chunk in call:
                 yield chunk.sample_index, chunk
         except grpc.aio.AioRpcError as exc:
             raise _to_error(exc) from exc
+        finally:
+            call.cancel()  # closed early (the reader gave up): the router aborts the request; no-op once done
 
     async def generate(self, req: GenerationRequest) -> list[Sample]:
         """All samples of the request, once finished: one unary call (the router then carries each
