@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 import torch
+from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
@@ -190,6 +191,96 @@ def test_abort_frees_the_request(router: Any) -> None:
         assert finishes == [common_pb2.FINISH_REASON_ABORTED]
     assert status.in_flight_request_count == 0
     assert not again.aborted  # idempotent: nothing left to abort
+
+
+def test_an_id_reused_right_after_its_caller_gave_up_gets_its_own_tokens(router: Any) -> None:
+    """A client whose deadline cut a long request and who reuses its id at once: the new request is
+    served on its own (its seed's tokens, its max_tokens), not handed the cut request's late outputs,
+    and not refused while the engine still winds the cut one down."""
+
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> list[Any]:
+        replies = []
+        for attempt in range(8):
+            request_id = f"reused-{attempt}"
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Generate(request(request_id, max_tokens=384, seed=401), timeout=0.3)
+            replies.append(await stub.Generate(request(request_id, max_tokens=4, seed=7), timeout=60))
+        return replies
+
+    replies = run(router, body)
+    first = list(replies[0].completions[0].token_ids)
+    for reply in replies:
+        (completion,) = reply.completions
+        assert 0 < len(completion.token_ids) <= 4 and completion.finish_reason != common_pb2.FINISH_REASON_ABORTED
+        assert list(completion.token_ids) == first  # seed 7's tokens every time
+
+
+def test_a_request_waiting_out_a_pause_can_be_aborted(router: Any) -> None:
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, ...]:
+        await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
+        try:
+            held = asyncio.ensure_future(stub.Generate(request("held-then-aborted", max_tokens=4, seed=1), timeout=60))
+            for _ in range(100):
+                status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+                if status.waiting_request_count == 1:
+                    break
+                await asyncio.sleep(0.05)
+            aborted = await stub.AbortGeneration(rollout_pb2.AbortGenerationRequest(request_id="held-then-aborted"))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await held
+        finally:
+            await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest())
+        after = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+        return status, aborted, error.value.code(), after
+
+    status, aborted, code, after = run(router, body)
+    assert status.waiting_request_count == 1 and aborted.aborted
+    assert code == grpc.StatusCode.ABORTED
+    assert after.waiting_request_count == 0 and after.in_flight_request_count == 0
+
+
+def test_pause_refuses_an_unknown_mode_and_a_negative_drain_timeout(router: Any) -> None:
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, ...]:
+        codes = []
+        for pause in (
+            rollout_pb2.PauseGenerationRequest(mode=99),  # type: ignore[arg-type]
+            rollout_pb2.PauseGenerationRequest(
+                mode=rollout_pb2.PAUSE_MODE_DRAIN, drain_timeout=duration_pb2.Duration(seconds=-5)
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.PauseGeneration(pause)
+            codes.append(error.value.code())
+        return codes, await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+
+    codes, status = run(router, body)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2
+    assert not status.paused
+
+
+def test_a_resume_during_a_drain_leaves_the_router_serving(router: Any) -> None:
+    """A ResumeGeneration while a drain pause waits: the drain gives up instead of pausing the engines
+    behind the admission the resume reopened."""
+
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, ...]:
+        started = asyncio.Event()
+        long = asyncio.create_task(collect(stub, stream_request("long-resumed", max_tokens=384, seed=9), started))
+        await asyncio.wait_for(started.wait(), 60)
+        drain = rollout_pb2.PauseGenerationRequest(
+            mode=rollout_pb2.PAUSE_MODE_DRAIN, drain_timeout=duration_pb2.Duration(seconds=60)
+        )
+        pause = asyncio.ensure_future(stub.PauseGeneration(drain, timeout=120))
+        await asyncio.sleep(0.2)
+        await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await pause
+        await asyncio.wait_for(long, 120)
+        after = await stub.Generate(request("after-resumed-drain", max_tokens=4, seed=2), timeout=10)
+        return error.value.code(), await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest()), after
+
+    code, status, after = run(router, body)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not status.paused and after.completions[0].token_ids
 
 
 def test_client_disconnect_cancels_the_engine_request(router: Any) -> None:

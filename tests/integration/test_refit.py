@@ -773,3 +773,44 @@ def test_a_learner_killed_while_joining_holds_the_engines_for_the_join_timeout_o
     # after they entered it (as the learner died): a restore sooner would mean the kill missed the join.
     restored = time.monotonic() - died
     assert restored > 10, f"service restored {restored:.1f} s after the death: the workers were not in the join"
+
+
+def test_bad_refit_requests_are_refused_before_anything_pauses(stack: dict[str, Any]) -> None:
+    """A negative step, probe tokens outside the vocabulary, a size-0 dimension: INVALID_ARGUMENT before
+    the router is paused (before, each paused it, and the first published a negative version). An
+    engine registered under an alias (an id the router does not report, naming a registered engine's
+    actor) doubled the group's world size and every later refit timed out in the join: now refused."""
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state, probe = gather_for_refit(load(stack["model_a"]), publisher.probe)
+    specs = [
+        weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape), checksum=m.checksum)
+        for m in publisher.manifest(state)
+    ]
+    zero = weights_pb2.TensorSpec(name="extra", dtype="float32", shape=[0, 64])
+    bad = {
+        "learner_step": weights_pb2.RefitWeightsRequest(learner_step=-5, tensors=specs),
+        "probe_token_ids": weights_pb2.RefitWeightsRequest(
+            learner_step=50, tensors=specs, run_probe=True, probe_token_ids=[5, 10**6, 7], probe_logprobs=[-1.0, -1.0]
+        ),
+        "size below 1": weights_pb2.RefitWeightsRequest(learner_step=50, tensors=[*specs, zero]),
+    }
+    with grpc.insecure_channel(stack["broadcaster"]) as channel:
+        stub = weights_pb2_grpc.WeightServiceStub(channel)
+        for field, request in bad.items():
+            request.request_id = f"{RUN_ID}-bad-{time.time_ns()}"
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.RefitWeights(request, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in refused.value.details()
+            assert not router_paused(stack["router"]), field
+        alias = weights_pb2.RegisterWeightEndpointRequest(
+            endpoint_id="engine-alias", role=weights_pb2.ENDPOINT_ROLE_ENGINE, address="molt-engine-0"
+        )
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.RegisterWeightEndpoint(alias, timeout=60)
+        assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no engine" in unknown.value.details()
+    current = broadcaster_status(stack["broadcaster"]).policy_version.version
+    try:
+        response = publisher.publish(current + 1, state, probe)
+    finally:
+        publisher.close()
+    assert response.policy_version.version == current + 1

@@ -192,16 +192,23 @@ def unpack_bucket(bucket: list[TensorMeta], buffer: torch.Tensor) -> Iterator[tu
         yield meta, piece.view(meta.torch_dtype).reshape(meta.shape)
 
 
+MAX_MANIFEST_BYTES = 1 << 50  # 1 PiB: a manifest beyond it is a mistake, not a model
+
+
 def check_manifest(metas: list[TensorMeta]) -> None:
-    """Names unique, dtypes known, shapes non-negative: a manifest both sides can follow."""
+    """Names unique, dtypes known, shapes positive, a plausible size: a manifest both sides can follow."""
     seen: set[str] = set()
+    total = 0
     for meta in metas:
         if meta.name in seen:
             raise ValueError(f"tensor {meta.name!r} appears twice in the manifest")
         seen.add(meta.name)
         meta.torch_dtype  # noqa: B018 - raises on an unknown dtype
-        if any(size < 0 for size in meta.shape):
-            raise ValueError(f"tensor {meta.name!r}: negative size in shape {meta.shape}")
+        if any(size < 1 for size in meta.shape):
+            raise ValueError(f"tensor {meta.name!r}: a size below 1 in shape {meta.shape}")
+        total += meta.nbytes
+        if total > MAX_MANIFEST_BYTES:
+            raise ValueError(f"the manifest holds more than {MAX_MANIFEST_BYTES} bytes (at {meta.name!r})")
 
 
 ABANDONED = b"abandoned"  # the value the broadcaster writes to a refit's ready key when the sender is gone

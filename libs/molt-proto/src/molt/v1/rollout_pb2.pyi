@@ -347,8 +347,8 @@ class AbortGenerationResponse(_message.Message):
 
     ABORTED_FIELD_NUMBER: _builtins.int
     aborted: _builtins.bool
-    """True when the request was in flight and is now aborted; false when it was
-    unknown or already finished (abort is idempotent).
+    """True when the request was in flight (or waiting out a pause) and is now
+    aborted; false when it was unknown or already finished (idempotent).
     """
     def __init__(
         self,

@@ -87,14 +87,16 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortGeneration(self, request, context):
-        """Aborts an in-flight request by its request_id; idempotent.
+        """Aborts a request by its request_id; idempotent. One in flight ends with
+        finish reason ABORTED; one still waiting out a pause fails with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PauseGeneration(self, request, context):
-        """Stops scheduling new tokens (for a weight refit). Idempotent.
+        """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
+        ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

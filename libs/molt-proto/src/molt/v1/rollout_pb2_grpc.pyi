@@ -42,9 +42,13 @@ class RolloutServiceStub:
     Cancelling the call aborts the engine request.
     """
     AbortGeneration: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.AbortGenerationRequest, _rollout_pb2.AbortGenerationResponse]
-    """Aborts an in-flight request by its request_id; idempotent."""
+    """Aborts a request by its request_id; idempotent. One in flight ends with
+    finish reason ABORTED; one still waiting out a pause fails with ABORTED.
+    """
     PauseGeneration: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.PauseGenerationRequest, _rollout_pb2.PauseGenerationResponse]
-    """Stops scheduling new tokens (for a weight refit). Idempotent."""
+    """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
+    ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+    """
     ResumeGeneration: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeGenerationRequest, _rollout_pb2.ResumeGenerationResponse]
     """Continues after a pause, optionally under a new policy version. Idempotent."""
     GetRouterStatus: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetRouterStatusRequest, _rollout_pb2.GetRouterStatusResponse]
@@ -62,9 +66,13 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     Cancelling the call aborts the engine request.
     """
     AbortGeneration: _aio.UnaryUnaryMultiCallable[_rollout_pb2.AbortGenerationRequest, _rollout_pb2.AbortGenerationResponse]  # type: ignore[assignment]
-    """Aborts an in-flight request by its request_id; idempotent."""
+    """Aborts a request by its request_id; idempotent. One in flight ends with
+    finish reason ABORTED; one still waiting out a pause fails with ABORTED.
+    """
     PauseGeneration: _aio.UnaryUnaryMultiCallable[_rollout_pb2.PauseGenerationRequest, _rollout_pb2.PauseGenerationResponse]  # type: ignore[assignment]
-    """Stops scheduling new tokens (for a weight refit). Idempotent."""
+    """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
+    ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+    """
     ResumeGeneration: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeGenerationRequest, _rollout_pb2.ResumeGenerationResponse]  # type: ignore[assignment]
     """Continues after a pause, optionally under a new policy version. Idempotent."""
     GetRouterStatus: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetRouterStatusRequest, _rollout_pb2.GetRouterStatusResponse]  # type: ignore[assignment]
@@ -97,7 +105,9 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.AbortGenerationRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.AbortGenerationResponse, _abc.Awaitable[_rollout_pb2.AbortGenerationResponse]]:
-        """Aborts an in-flight request by its request_id; idempotent."""
+        """Aborts a request by its request_id; idempotent. One in flight ends with
+        finish reason ABORTED; one still waiting out a pause fails with ABORTED.
+        """
 
     @_abc_1.abstractmethod
     def PauseGeneration(
@@ -105,7 +115,9 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.PauseGenerationRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.PauseGenerationResponse, _abc.Awaitable[_rollout_pb2.PauseGenerationResponse]]:
-        """Stops scheduling new tokens (for a weight refit). Idempotent."""
+        """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
+        ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+        """
 
     @_abc_1.abstractmethod
     def ResumeGeneration(

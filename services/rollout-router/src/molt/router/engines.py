@@ -13,8 +13,10 @@ request's queue. Ray carries only the control calls.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import pickle
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.core.errors import ConfigError, InvalidInput, TimedOut, Unavailable, WrongState
+from molt.core.errors import Aborted, ConfigError, InvalidInput, TimedOut, Unavailable, WrongState
 from molt.router import metrics
 from molt.router.config import RouterSettings
 from molt.router.engine import (
@@ -53,6 +55,7 @@ class InFlight:
 
     engine_id: str
     load: int  # prompt + max generated tokens: the work it may still cost the engine
+    key: str  # its id in the engine: unique per submission (see ``EnginePool.generate``)
 
 
 class EnginePool:
@@ -63,8 +66,11 @@ class EnginePool:
         self.namespace = f"molt-{settings.run.run_id}"
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, EngineInfo] = {}
-        self.in_flight: dict[str, InFlight] = {}
-        self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}
+        self.in_flight: dict[str, InFlight] = {}  # by the caller's request_id
+        self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}  # by the submission's key in the engine
+        self.keys = itertools.count()
+        self.key_prefix = secrets.token_hex(4)  # this router's: a restarted one never reuses a detached engine's ids
+        self.held: dict[str, asyncio.Event] = {}  # requests waiting at admission, by request_id: set = aborted
         self.pumps: list[asyncio.Task[None]] = []
         # Per live engine, the router's end of its data channel (an engine whose channel closed is dropped).
         self.links: dict[str, asyncio.StreamWriter] = {}
@@ -73,6 +79,7 @@ class EnginePool:
         self.versions_differ = False  # attached engines hold different weights: only a refit may resume them
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
+        self.resumes = 0  # resumes so far: a drain that outlived one gives up (the resume reopened admission)
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -238,8 +245,8 @@ class EnginePool:
         try:
             while True:
                 outputs: list[Output] = pickle.loads(await read_frame(reader))
-                for request_id, item in outputs:
-                    queue = self.queues.get(request_id)
+                for key, item in outputs:
+                    queue = self.queues.get(key)
                     if queue is not None:  # else the caller has left; its abort is on the way
                         queue.put_nowait(item)
         except asyncio.CancelledError:
@@ -249,9 +256,9 @@ class EnginePool:
             if (writer := self.links.pop(engine_id, None)) is not None:
                 writer.close()
             metrics.ENGINES_UP.dec()
-            for request_id, flight in self.in_flight.items():
+            for flight in self.in_flight.values():
                 if flight.engine_id == engine_id:
-                    self.queues[request_id].put_nowait(Failure(f"{engine_id} died"))
+                    self.queues[flight.key].put_nowait(Failure(f"{engine_id} died"))
 
     async def generate(
         self,
@@ -262,16 +269,21 @@ class EnginePool:
         final_only: bool = False,
     ) -> AsyncIterator[tuple[str, Chunk]]:
         """Yields ``(engine_id, chunk)`` for the request (with ``final_only``, each sample's chunks only
-        once it finished); leaving early aborts it in the engine."""
+        once it finished); leaving early aborts it in the engine.
+
+        The engine knows the request by a key unique to this submission (``<request_id>#<router>-<n>``):
+        an id the caller reuses at once after giving up on a request must not receive that request's
+        late outputs (its abort's last chunk), nor be refused while the engine still winds it down."""
         self._refuse_duplicate(request_id)
-        await self._admit()
+        await self._admit(request_id)
         self._refuse_duplicate(request_id)  # one with the same id may have been admitted while this one waited
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
         live = [engine_id for engine_id in self.actors if engine_id in self.links]
         engine_id = pick_engine(live or list(self.actors), session_id, load)  # none live: it fails at once
+        key = f"{request_id}#{self.key_prefix}-{next(self.keys)}"
         queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
-        self.queues[request_id] = queue
-        self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens)
+        self.queues[key] = queue
+        self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens, key)
         self._idle.clear()
         metrics.REQUESTS_IN_FLIGHT.inc()
         started, outcome, finished, refused = time.monotonic(), "aborted", 0, False
@@ -281,7 +293,7 @@ class EnginePool:
                 (
                     "submit",
                     Submission(
-                        request_id=request_id,
+                        request_id=key,
                         prompt_token_ids=prompt_token_ids,
                         sampling=sampling,
                         final_only=final_only,
@@ -304,8 +316,8 @@ class EnginePool:
             outcome = "ok"
         finally:
             if finished < sampling.sample_count and not refused:  # the caller is gone or failed
-                self._enqueue(engine_id, ("abort", request_id))
-            del self.in_flight[request_id], self.queues[request_id]
+                self._enqueue(engine_id, ("abort", key))
+            del self.in_flight[request_id], self.queues[key]
             if not self.in_flight:
                 self._idle.set()
             metrics.REQUESTS_IN_FLIGHT.dec()
@@ -347,29 +359,44 @@ class EnginePool:
             if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
                 queue.put_nowait(failure)
 
-    async def _admit(self) -> None:
+    async def _admit(self, request_id: str) -> None:
+        """Waits while generation is paused (bounded); an abort meanwhile ends the wait."""
         if self._open.is_set():
             return
         self.waiting += 1
         metrics.REQUESTS_WAITING.inc()
+        aborted = self.held.setdefault(request_id, asyncio.Event())
+        opened = asyncio.ensure_future(self._open.wait())
+        abort = asyncio.ensure_future(aborted.wait())
         try:
-            await asyncio.wait_for(self._open.wait(), self.settings.pause.paused_wait_timeout_s)
-        except TimeoutError as exc:
-            raise Unavailable(
-                f"generation has been paused for more than {self.settings.pause.paused_wait_timeout_s} s",
-                reason="PAUSED_TOO_LONG",
-            ) from exc
+            await asyncio.wait(
+                {opened, abort}, timeout=self.settings.pause.paused_wait_timeout_s, return_when="FIRST_COMPLETED"
+            )
+            if aborted.is_set():
+                raise Aborted(f"request {request_id!r} was aborted while generation was paused", reason="ABORTED")
+            if not opened.done():
+                raise Unavailable(
+                    f"generation has been paused for more than {self.settings.pause.paused_wait_timeout_s} s",
+                    reason="PAUSED_TOO_LONG",
+                )
         finally:
+            opened.cancel()
+            abort.cancel()
+            if self.held.get(request_id) is aborted:
+                del self.held[request_id]
             self.waiting -= 1
             metrics.REQUESTS_WAITING.dec()
 
     async def abort(self, request_id: str) -> bool:
-        """Aborts an in-flight request; False when it is unknown or already finished."""
+        """Aborts a request in flight or waiting at admission; False when it is unknown or already finished."""
         flight = self.in_flight.get(request_id)
-        if flight is None:
-            return False
-        self._enqueue(flight.engine_id, ("abort", request_id))
-        return True
+        if flight is not None:
+            self._enqueue(flight.engine_id, ("abort", flight.key))
+            return True
+        if (held := self.held.get(request_id)) is not None:
+            held.set()
+            return True
+        return False
 
     # -- pause / resume --------------------------------------------------------------------
 
@@ -382,6 +409,7 @@ class EnginePool:
         """
         self._open.clear()
         if mode == "drain":
+            resumes = self.resumes
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
             except BaseException as exc:  # timed out, or the caller gave up on its drain: admission reopens
@@ -393,6 +421,10 @@ class EnginePool:
                     f"{len(self.in_flight)} requests still in flight after {drain_timeout_s} s of draining",
                     reason="DRAIN_TIMEOUT",
                 ) from exc
+            if self.resumes != resumes:  # pausing the engines now would leave them paused behind open admission
+                raise WrongState(
+                    "a resume came while this pause was draining; not paused", reason="RESUMED_WHILE_DRAINING"
+                )
         suspended = len(self.in_flight)
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
         clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
@@ -437,6 +469,7 @@ class EnginePool:
                     reason="VERSION_REGRESSION",
                 )
             self.policy_version = policy_version
+        self.resumes += 1
         started = time.monotonic()
         await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
         engines_s = time.monotonic() - started

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from molt.core.errors import InvalidInput
 from molt.core.serve import grpc_errors
 from molt.router import metrics
 from molt.router.config import RouterSettings
@@ -115,12 +116,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def PauseGeneration(
         self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.PauseGenerationResponse:
+        if request.mode != rollout_pb2.PAUSE_MODE_UNSPECIFIED and request.mode not in PAUSE_MODES:
+            raise InvalidInput(f"unknown pause mode {request.mode}", reason="UNKNOWN_PAUSE_MODE")
         mode = PAUSE_MODES.get(request.mode, self.settings.pause.default_mode)
         timeout = (
             request.drain_timeout.ToTimedelta().total_seconds()
             if request.HasField("drain_timeout")
             else self.settings.pause.drain_timeout_s
         )
+        if timeout < 0:
+            raise InvalidInput(f"drain_timeout {timeout} s is negative", reason="NEGATIVE_DRAIN_TIMEOUT")
         suspended = await self.pool.pause(mode, timeout)  # type: ignore[arg-type]
         return rollout_pb2.PauseGenerationResponse(
             suspended_request_count=suspended, policy_version=self.pool.policy_version

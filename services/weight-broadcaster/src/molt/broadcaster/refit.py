@@ -138,6 +138,7 @@ class Broadcaster:
         self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
         self.paused_by_failure: str | None = None
         self.router_version = -1  # the router's version when this process first refits; -1: not asked yet
+        self.vocab_size = 0  # the router's, asked with its version
         self.published_here = 0  # the newest version this process published (a restored one does not count)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -192,6 +193,12 @@ class Broadcaster:
             raise InvalidInput(
                 f"no engine actor {actor_name or 'molt-' + engine_id!r} in namespace {namespace}"
             ) from exc
+        for other in self.engines.values():
+            if other.engine_id != engine_id and other.actor._actor_id == actor._actor_id:
+                raise InvalidInput(
+                    f"engine actor {actor_name or 'molt-' + engine_id!r} is already registered as {other.engine_id!r}",
+                    reason="ENGINE_REGISTERED_TWICE",
+                )
         ranks = await actor.collective_rpc.remote("weight_worker_rank")
         engine = Engine(engine_id, actor, len(ranks))
         self.engines[engine_id] = engine
@@ -204,6 +211,20 @@ class Broadcaster:
         async with self.lock:
             self.group.learner_joined = False
         log.info("learner registered", extra={"generation": self.group.generation})
+
+    async def register_endpoint(self, engine_id: str, actor_name: str) -> Engine:
+        """RegisterWeightEndpoint for an engine: one the router reports, and an actor not registered yet
+        under another id (twice in the group, it would double the world size: every join times out)."""
+        try:
+            status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
+        reported = sorted(engine.engine_id for engine in status.engines)
+        if engine_id not in reported:
+            raise InvalidInput(
+                f"the router reports no engine {engine_id!r} (it has {reported})", reason="UNKNOWN_ENGINE"
+            )
+        return await self.register_engine(engine_id, actor_name)
 
     async def discover_engines(self) -> None:
         """Registers every engine the router reports that is not registered yet."""
@@ -244,6 +265,7 @@ class Broadcaster:
                     extra={"earlier_failure": self.paused_by_failure, "request_id": request.request_id},
                 )
             version = await self._version_of(request)
+            self._check_probe(request)
             try:
                 response = await asyncio.wait_for(self._refit(request, metas, version), self.settings.refit_timeout_s)
             except TimeoutError as exc:
@@ -286,6 +308,7 @@ class Broadcaster:
             except grpc.aio.AioRpcError as exc:
                 raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
             self.router_version = status.policy_version
+            self.vocab_size = status.vocab_size
         newest = max(self.published_here, self.router_version)
         asked = request.policy_version or request.learner_step
         if asked > newest or newest == 0:
@@ -304,11 +327,20 @@ class Broadcaster:
             reason="VERSION_NOT_NEWER",
         )
 
+    def _check_probe(self, request: weights_pb2.RefitWeightsRequest) -> None:
+        """Probe tokens the engines can score (checked before anything is paused or moved)."""
+        if request.run_probe and self.vocab_size and any(not 0 <= t < self.vocab_size for t in request.probe_token_ids):
+            raise InvalidInput(f"probe_token_ids must lie in [0, {self.vocab_size}) (the router's vocabulary)")
+
     def _manifest(self, request: weights_pb2.RefitWeightsRequest) -> list[TensorMeta]:
         if not request.tensors:
             raise InvalidInput("the manifest is empty")
         if request.bucket_bytes < 0:
             raise InvalidInput(f"bucket_bytes must be >= 0, got {request.bucket_bytes}")
+        if request.learner_step < 0 or request.policy_version < 0:
+            raise InvalidInput(
+                f"learner_step ({request.learner_step}) and policy_version ({request.policy_version}) must be >= 0"
+            )
         metas = [TensorMeta(t.name, t.dtype, tuple(t.shape), t.checksum) for t in request.tensors]
         try:
             check_manifest(metas)

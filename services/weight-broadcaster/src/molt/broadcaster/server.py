@@ -30,7 +30,7 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
                 first_rank=0, rendezvous_address=self.broadcaster.rendezvous_address
             )
         if request.role == weights_pb2.ENDPOINT_ROLE_ENGINE:
-            engine = await self.broadcaster.register_engine(request.endpoint_id, request.address)
+            engine = await self.broadcaster.register_endpoint(request.endpoint_id, request.address)
             return weights_pb2.RegisterWeightEndpointResponse(
                 first_rank=engine.first_rank, rendezvous_address=self.broadcaster.rendezvous_address
             )
