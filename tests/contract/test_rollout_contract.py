@@ -403,6 +403,11 @@ def test_bad_input_gets_the_right_status_and_the_router_keeps_serving(router: An
         (request("long", prompt=[65] * status.max_model_len), "PROMPT_TOO_LONG", "context"),
         (request("temp", temperature=0.123), "PROTECTED_SAMPLING_OVERRIDE", "temperature"),
         (request("topp", top_p=0.5), "PROTECTED_SAMPLING_OVERRIDE", "top_p"),
+        (request("many", sample_count=100_000), "SAMPLE_COUNT_OUT_OF_RANGE", "sample_count"),
+        (request("tops", top_logprob_count=-1), "TOP_LOGPROBS_OUT_OF_RANGE", "top_logprob_count"),
+        (request("stopid", stop_token_ids=[-1]), "STOP_TOKEN_OUT_OF_VOCAB", "stop_token_ids"),
+        (request("stopstr", stop_strings=[""]), "EMPTY_STOP_STRING", "stop_strings"),
+        (request("x" * 1000), "BAD_REQUEST_ID", "request_id"),
     ]
     for req, reason, words in cases:
         code, message, got_reason = expect_error(router, req)

@@ -77,7 +77,9 @@ def _same(a: float, b: float) -> bool:
 def check_prompt(request_id: str, prompt_token_ids: list[int], limits: ModelLimits) -> None:
     """Refuses an empty or over-long prompt, out-of-vocabulary ids and a bad request id."""
     if not 1 <= len(request_id) <= MAX_REQUEST_ID:
-        raise InvalidInput(f"request_id must have 1..{MAX_REQUEST_ID} characters, got {len(request_id)}")
+        raise InvalidInput(
+            f"request_id must have 1..{MAX_REQUEST_ID} characters, got {len(request_id)}", reason="BAD_REQUEST_ID"
+        )
     if not prompt_token_ids:
         raise InvalidInput("prompt_token_ids is empty", reason="EMPTY_PROMPT")
     if len(prompt_token_ids) >= limits.max_model_len:
@@ -116,16 +118,23 @@ def resolve(requested: RequestedSampling, config: SamplingSettings, prompt_len: 
             reason="MAX_TOKENS_OVER_CAP",
         )
     if not 0 <= requested.sample_count <= MAX_SAMPLES:
-        raise InvalidInput(f"sampling_params.sample_count {requested.sample_count} is outside [0, {MAX_SAMPLES}]")
+        raise InvalidInput(
+            f"sampling_params.sample_count {requested.sample_count} is outside [0, {MAX_SAMPLES}]",
+            reason="SAMPLE_COUNT_OUT_OF_RANGE",
+        )
     if not 0 <= requested.top_logprob_count <= MAX_TOP_LOGPROBS:
         raise InvalidInput(
-            f"sampling_params.top_logprob_count {requested.top_logprob_count} is outside [0, {MAX_TOP_LOGPROBS}]"
+            f"sampling_params.top_logprob_count {requested.top_logprob_count} is outside [0, {MAX_TOP_LOGPROBS}]",
+            reason="TOP_LOGPROBS_OUT_OF_RANGE",
         )
     bad_stops = [t for t in requested.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad_stops:
-        raise InvalidInput(f"sampling_params.stop_token_ids {bad_stops} are outside [0, {limits.vocab_size})")
+        raise InvalidInput(
+            f"sampling_params.stop_token_ids {bad_stops} are outside [0, {limits.vocab_size})",
+            reason="STOP_TOKEN_OUT_OF_VOCAB",
+        )
     if any(not s for s in requested.stop_strings):
-        raise InvalidInput("sampling_params.stop_strings contains an empty string")
+        raise InvalidInput("sampling_params.stop_strings contains an empty string", reason="EMPTY_STOP_STRING")
     # The generation budget never runs past the context: the sample then ends with LENGTH.
     max_tokens = min(requested.max_tokens or config.max_tokens_default, limits.max_model_len - prompt_len)
     sampling = Sampling(
