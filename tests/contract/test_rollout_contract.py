@@ -216,26 +216,38 @@ def test_an_id_reused_right_after_its_caller_gave_up_gets_its_own_tokens(router:
 
 
 def test_a_request_waiting_out_a_pause_can_be_aborted(router: Any) -> None:
+    """An abort reaches a request held by a pause (ABORTED); the same id sent again during the pause
+    waits anew and is served after the resume."""
+
+    async def waiting(stub: rollout_pb2_grpc.RolloutServiceStub, count: int) -> Any:
+        for _ in range(100):
+            status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+            if status.waiting_request_count == count:
+                break
+            await asyncio.sleep(0.05)
+        return status
+
     async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, ...]:
+        held_request = request("held-then-aborted", max_tokens=4, seed=1)
         await stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP))
         try:
-            held = asyncio.ensure_future(stub.Generate(request("held-then-aborted", max_tokens=4, seed=1), timeout=60))
-            for _ in range(100):
-                status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
-                if status.waiting_request_count == 1:
-                    break
-                await asyncio.sleep(0.05)
+            held = asyncio.ensure_future(stub.Generate(held_request, timeout=60))
+            status = await waiting(stub, 1)
             aborted = await stub.AbortGeneration(rollout_pb2.AbortGenerationRequest(request_id="held-then-aborted"))
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await held
+            again = asyncio.ensure_future(stub.Generate(held_request, timeout=60))
+            await waiting(stub, 1)
         finally:
             await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest())
+        served = await again
         after = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
-        return status, aborted, error.value.code(), after
+        return status, aborted, error.value.code(), served, after
 
-    status, aborted, code, after = run(router, body)
+    status, aborted, code, served, after = run(router, body)
     assert status.waiting_request_count == 1 and aborted.aborted
     assert code == grpc.StatusCode.ABORTED
+    assert served.completions[0].token_ids
     assert after.waiting_request_count == 0 and after.in_flight_request_count == 0
 
 

@@ -776,7 +776,7 @@ def test_a_learner_killed_while_joining_holds_the_engines_for_the_join_timeout_o
 
 
 def test_bad_refit_requests_are_refused_before_anything_pauses(stack: dict[str, Any]) -> None:
-    """A negative step, probe tokens outside the vocabulary, a size-0 dimension: INVALID_ARGUMENT before
+    """A negative step, probe tokens outside the vocabulary, a 4 EiB tensor: INVALID_ARGUMENT before
     the router is paused (before, each paused it, and the first published a negative version). An
     engine registered under an alias (an id the router does not report, naming a registered engine's
     actor) doubled the group's world size and every later refit timed out in the join: now refused."""
@@ -786,13 +786,13 @@ def test_bad_refit_requests_are_refused_before_anything_pauses(stack: dict[str, 
         weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape), checksum=m.checksum)
         for m in publisher.manifest(state)
     ]
-    zero = weights_pb2.TensorSpec(name="extra", dtype="float32", shape=[0, 64])
+    huge = weights_pb2.TensorSpec(name="extra", dtype="float32", shape=[1 << 40, 1 << 40])
     bad = {
         "learner_step": weights_pb2.RefitWeightsRequest(learner_step=-5, tensors=specs),
         "probe_token_ids": weights_pb2.RefitWeightsRequest(
             learner_step=50, tensors=specs, run_probe=True, probe_token_ids=[5, 10**6, 7], probe_logprobs=[-1.0, -1.0]
         ),
-        "size below 1": weights_pb2.RefitWeightsRequest(learner_step=50, tensors=[*specs, zero]),
+        "more than": weights_pb2.RefitWeightsRequest(learner_step=50, tensors=[*specs, huge]),
     }
     with grpc.insecure_channel(stack["broadcaster"]) as channel:
         stub = weights_pb2_grpc.WeightServiceStub(channel)

@@ -196,7 +196,7 @@ MAX_MANIFEST_BYTES = 1 << 50  # 1 PiB: a manifest beyond it is a mistake, not a 
 
 
 def check_manifest(metas: list[TensorMeta]) -> None:
-    """Names unique, dtypes known, shapes positive, a plausible size: a manifest both sides can follow."""
+    """Names unique, dtypes known, shapes non-negative, a plausible size: a manifest both sides can follow."""
     seen: set[str] = set()
     total = 0
     for meta in metas:
@@ -204,8 +204,8 @@ def check_manifest(metas: list[TensorMeta]) -> None:
             raise ValueError(f"tensor {meta.name!r} appears twice in the manifest")
         seen.add(meta.name)
         meta.torch_dtype  # noqa: B018 - raises on an unknown dtype
-        if any(size < 1 for size in meta.shape):
-            raise ValueError(f"tensor {meta.name!r}: a size below 1 in shape {meta.shape}")
+        if any(size < 0 for size in meta.shape):
+            raise ValueError(f"tensor {meta.name!r}: negative size in shape {meta.shape}")
         total += meta.nbytes
         if total > MAX_MANIFEST_BYTES:
             raise ValueError(f"the manifest holds more than {MAX_MANIFEST_BYTES} bytes (at {meta.name!r})")

@@ -70,7 +70,8 @@ class EnginePool:
         self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}  # by the submission's key in the engine
         self.keys = itertools.count()
         self.key_prefix = secrets.token_hex(4)  # this router's: a restarted one never reuses a detached engine's ids
-        self.held: dict[str, asyncio.Event] = {}  # requests waiting at admission, by request_id: set = aborted
+        # Requests waiting at admission: per request_id, one event per waiter (set: aborted).
+        self.held: dict[str, set[asyncio.Event]] = {}
         self.pumps: list[asyncio.Task[None]] = []
         # Per live engine, the router's end of its data channel (an engine whose channel closed is dropped).
         self.links: dict[str, asyncio.StreamWriter] = {}
@@ -365,7 +366,8 @@ class EnginePool:
             return
         self.waiting += 1
         metrics.REQUESTS_WAITING.inc()
-        aborted = self.held.setdefault(request_id, asyncio.Event())
+        aborted = asyncio.Event()
+        self.held.setdefault(request_id, set()).add(aborted)
         opened = asyncio.ensure_future(self._open.wait())
         abort = asyncio.ensure_future(aborted.wait())
         try:
@@ -382,8 +384,10 @@ class EnginePool:
         finally:
             opened.cancel()
             abort.cancel()
-            if self.held.get(request_id) is aborted:
-                del self.held[request_id]
+            waiters = self.held.get(request_id, set())
+            waiters.discard(aborted)
+            if not waiters:
+                self.held.pop(request_id, None)
             self.waiting -= 1
             metrics.REQUESTS_WAITING.dec()
 
@@ -393,8 +397,9 @@ class EnginePool:
         if flight is not None:
             self._enqueue(flight.engine_id, ("abort", flight.key))
             return True
-        if (held := self.held.get(request_id)) is not None:
-            held.set()
+        if (waiters := self.held.pop(request_id, None)) is not None:  # a newcomer with this id waits anew
+            for aborted in waiters:
+                aborted.set()
             return True
         return False
 
@@ -422,6 +427,8 @@ class EnginePool:
                     reason="DRAIN_TIMEOUT",
                 ) from exc
             if self.resumes != resumes:  # pausing the engines now would leave them paused behind open admission
+                if not self.paused:  # (a resume that failed midway left admission closed)
+                    self._open.set()
                 raise WrongState(
                     "a resume came while this pause was draining; not paused", reason="RESUMED_WHILE_DRAINING"
                 )

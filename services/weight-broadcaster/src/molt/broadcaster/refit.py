@@ -193,13 +193,13 @@ class Broadcaster:
             raise InvalidInput(
                 f"no engine actor {actor_name or 'molt-' + engine_id!r} in namespace {namespace}"
             ) from exc
-        for other in self.engines.values():
+        ranks = await actor.collective_rpc.remote("weight_worker_rank")
+        for other in self.engines.values():  # checked after the await: another registration may have run
             if other.engine_id != engine_id and other.actor._actor_id == actor._actor_id:
                 raise InvalidInput(
                     f"engine actor {actor_name or 'molt-' + engine_id!r} is already registered as {other.engine_id!r}",
                     reason="ENGINE_REGISTERED_TWICE",
                 )
-        ranks = await actor.collective_rpc.remote("weight_worker_rank")
         engine = Engine(engine_id, actor, len(ranks))
         self.engines[engine_id] = engine
         log.info("engine registered", extra={"engine": engine_id, "workers": engine.worker_count})
@@ -223,6 +223,10 @@ class Broadcaster:
         if engine_id not in reported:
             raise InvalidInput(
                 f"the router reports no engine {engine_id!r} (it has {reported})", reason="UNKNOWN_ENGINE"
+            )
+        if actor_name not in ("", f"molt-{engine_id}"):
+            raise InvalidInput(
+                f"engine {engine_id!r} is the actor 'molt-{engine_id}', not {actor_name!r}", reason="WRONG_ENGINE_ACTOR"
             )
         return await self.register_engine(engine_id, actor_name)
 
