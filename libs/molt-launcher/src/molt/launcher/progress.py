@@ -151,8 +151,8 @@ def status_line(snap: Snapshot, elapsed_s: float) -> str:
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
     if snap.refit_failure and snap.paused is not False:
         alerts.append(f"engines paused by a failed refit ({snap.refit_failure}) until a refit validates")
-    elif snap.paused:
-        alerts.append("router paused (refit)")
+    elif snap.paused:  # a refit in progress (one that fails or times out is reported above), not an alert
+        parts.append("router paused (refit)")
     if snap.failed_episodes:
         alerts.append(f"{snap.failed_episodes} failed episodes")
     if snap.dead_letters:
