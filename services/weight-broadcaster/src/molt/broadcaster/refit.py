@@ -138,7 +138,7 @@ class Broadcaster:
         self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
         self.paused_by_failure: str | None = None
         self.router_version = -1  # the router's version when this process first refits; -1: not asked yet
-        self.vocab_size = 0  # the router's, asked with its version
+        self.vocab_size = 0  # the router's, as of the latest refit (``discover_engines``)
         self.published_here = 0  # the newest version this process published (a restored one does not count)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -233,6 +233,7 @@ class Broadcaster:
     async def discover_engines(self) -> None:
         """Registers every engine the router reports that is not registered yet."""
         status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+        self.vocab_size = status.vocab_size
         for engine in status.engines:
             if engine.engine_id not in self.engines:
                 await self.register_engine(engine.engine_id, "")
@@ -269,7 +270,6 @@ class Broadcaster:
                     extra={"earlier_failure": self.paused_by_failure, "request_id": request.request_id},
                 )
             version = await self._version_of(request)
-            self._check_probe(request)
             try:
                 response = await asyncio.wait_for(self._refit(request, metas, version), self.settings.refit_timeout_s)
             except TimeoutError as exc:
@@ -312,7 +312,6 @@ class Broadcaster:
             except grpc.aio.AioRpcError as exc:
                 raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
             self.router_version = status.policy_version
-            self.vocab_size = status.vocab_size
         newest = max(self.published_here, self.router_version)
         asked = request.policy_version or request.learner_step
         if asked > newest or newest == 0:
@@ -364,6 +363,7 @@ class Broadcaster:
         await self.discover_engines()
         if not self.engines:
             raise Unavailable("no engine is registered")
+        self._check_probe(request)  # against the vocabulary the router serves now, before anything pauses
         mode = request.pause_mode or (
             rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
         )
