@@ -40,6 +40,12 @@ class TurnLimits:
     max_model_len: int
     max_tokens_cap: int = 0  # 0: none known
 
+    def budget(self, requested: int, prompt_len: int) -> int:
+        """A turn's max_tokens: ``requested`` (0: ``max_tokens``) within the room the prompt leaves in the
+        context and the router's cap; below 1 when the context is full."""
+        room = self.max_model_len - prompt_len
+        return min(requested or self.max_tokens, room, self.max_tokens_cap or room)
+
 
 async def run_env_episode(
     env: Env, prompt: Prompt, transcript: Transcript, router: RouterClient, limits: TurnLimits
@@ -52,7 +58,7 @@ async def run_env_episode(
     for turn in range(env.max_turns):
         plan = transcript.plan(messages, env.tools)
         cap = limits.max_tokens if env.max_tokens is None else min(env.max_tokens, limits.max_tokens)
-        budget = min(cap, limits.max_model_len - len(plan.prompt_ids), limits.max_tokens_cap or cap)
+        budget = limits.budget(cap, len(plan.prompt_ids))
         if budget < 1:
             break  # the conversation filled the context: the episode ends as truncated
         request = GenerationRequest(f"{rollout_id}-{turn}", rollout_id, plan.prompt_ids, max_tokens=budget)

@@ -229,8 +229,8 @@ class ChatFront:
         return await asyncio.to_thread(session.transcript.plan, turn.messages, turn.tools)
 
     def _request(self, session: Session, turn: Turn, plan: TurnPlan) -> GenerationRequest:
-        room = self.limits.max_model_len - len(plan.prompt_ids)
-        if room < 1:
+        max_tokens = self.limits.budget(turn.max_tokens, len(plan.prompt_ids))
+        if max_tokens < 1:
             raise InvalidInput(
                 f"the conversation ({len(plan.prompt_ids)} tokens) fills the model's context "
                 f"({self.limits.max_model_len})",
@@ -241,7 +241,7 @@ class ChatFront:
             request_id=f"{session.id}-{session.turns}-{uuid.uuid4().hex[:8]}",
             session_id=session.id,
             prompt_ids=plan.prompt_ids,
-            max_tokens=min(turn.max_tokens or self.limits.max_tokens, room, self.limits.max_tokens_cap or room),
+            max_tokens=max_tokens,
             sample_count=turn.sample_count,
             stop_strings=turn.stop,
             seed=turn.seed,
@@ -554,10 +554,7 @@ class ChatFront:
                         lines.put_nowait(sent[-1])
                 self._cache(session, digest, sent)  # complete: a retry replays it
             except Exception as exc:
-                status = _status(exc)
-                message = exc.message if isinstance(exc, MoltError) else f"internal error: {type(exc).__name__}"
-                log.warning("front stream failed", exc_info=not isinstance(exc, MoltError), extra={"api": api})
-                error = json.dumps(error_body(api, status, message))
+                error = json.dumps(_failure(api, exc, "stream")[1])
                 lines.put_nowait(line(f"event: error\ndata: {error}" if api == "anthropic" else error))
             finally:
                 lines.put_nowait(None)
@@ -602,26 +599,26 @@ class ChatFront:
                 if not handed_over:
                     session.lock.release()
         except Exception as exc:
-            status = _status(exc)
-            if isinstance(exc, MoltError):
-                message = exc.message
-                log.warning(
-                    "front request refused",
-                    extra={"api": api, "status": status, "reason": exc.reason, "error": exc.message},
-                )
-            else:
-                message = f"internal error: {type(exc).__name__}"
-                log.exception("front request failed", extra={"api": api})
+            status, error = _failure(api, exc, "request")
             metrics.FRONT_REQUESTS.labels(api, str(status)).inc()
-            return JSONResponse(error_body(api, status, message), status_code=status)
+            return JSONResponse(error, status_code=status)
 
 
 class SessionStream(StreamingResponse):
     """A streamed turn; its task holds the session's lock until the turn is over."""
 
 
-def _status(exc: BaseException) -> int:
-    return next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
+def _failure(api: str, exc: Exception, what: str) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and error body for ``exc`` (called while it is handled), logged: a refusal
+    (MoltError) as a warning, anything else with its traceback."""
+    status = next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
+    if isinstance(exc, MoltError):
+        log.warning(
+            "front %s refused", what, extra={"api": api, "status": status, "reason": exc.reason, "error": exc.message}
+        )
+        return status, error_body(api, status, exc.message)
+    log.exception("front %s failed", what, extra={"api": api})
+    return status, error_body(api, status, f"internal error: {type(exc).__name__}")
 
 
 def error_body(api: str, status: int, message: str) -> dict[str, Any]:

@@ -138,7 +138,6 @@ class Broadcaster:
         self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
         self.paused_by_failure: str | None = None
         self.router_version = -1  # the router's version when this process first refits; -1: not asked yet
-        self.vocab_size = 0  # the router's, as of the latest refit (``discover_engines``)
         self.published_here = 0  # the newest version this process published (a restored one does not count)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -215,10 +214,7 @@ class Broadcaster:
     async def register_endpoint(self, engine_id: str, actor_name: str) -> Engine:
         """RegisterWeightEndpoint for an engine: one the router reports, and an actor not registered yet
         under another id (twice in the group, it would double the world size: every join times out)."""
-        try:
-            status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
+        status = await self._router_status()
         reported = sorted(engine.engine_id for engine in status.engines)
         if engine_id not in reported:
             raise InvalidInput(
@@ -230,13 +226,20 @@ class Broadcaster:
             )
         return await self.register_engine(engine_id, actor_name)
 
-    async def discover_engines(self) -> None:
-        """Registers every engine the router reports that is not registered yet."""
+    async def discover_engines(self) -> int:
+        """Registers every engine the router reports that is not registered yet; returns the router's
+        vocabulary size."""
         status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
-        self.vocab_size = status.vocab_size
         for engine in status.engines:
             if engine.engine_id not in self.engines:
                 await self.register_engine(engine.engine_id, "")
+        return int(status.vocab_size)
+
+    async def _router_status(self) -> rollout_pb2.GetRouterStatusResponse:
+        try:
+            return await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
 
     def _assign_ranks(self) -> tuple[int, bool]:
         """Ranks in engine-id order; returns the world size and whether the membership changed."""
@@ -307,11 +310,7 @@ class Broadcaster:
     async def _version_of(self, request: weights_pb2.RefitWeightsRequest) -> int:
         """The version ``request``'s weights will be published as (see the module docstring)."""
         if self.router_version < 0:
-            try:
-                status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
-            except grpc.aio.AioRpcError as exc:
-                raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
-            self.router_version = status.policy_version
+            self.router_version = (await self._router_status()).policy_version
         newest = max(self.published_here, self.router_version)
         asked = request.policy_version or request.learner_step
         if asked > newest or newest == 0:
@@ -330,10 +329,11 @@ class Broadcaster:
             reason="VERSION_NOT_NEWER",
         )
 
-    def _check_probe(self, request: weights_pb2.RefitWeightsRequest) -> None:
+    @staticmethod
+    def _check_probe(request: weights_pb2.RefitWeightsRequest, vocab_size: int) -> None:
         """Probe tokens the engines can score (checked before anything is paused or moved)."""
-        if request.run_probe and self.vocab_size and any(not 0 <= t < self.vocab_size for t in request.probe_token_ids):
-            raise InvalidInput(f"probe_token_ids must lie in [0, {self.vocab_size}) (the router's vocabulary)")
+        if request.run_probe and vocab_size and any(not 0 <= t < vocab_size for t in request.probe_token_ids):
+            raise InvalidInput(f"probe_token_ids must lie in [0, {vocab_size}) (the router's vocabulary)")
 
     def _manifest(self, request: weights_pb2.RefitWeightsRequest) -> list[TensorMeta]:
         if not request.tensors:
@@ -360,10 +360,10 @@ class Broadcaster:
     ) -> weights_pb2.RefitWeightsResponse:
         assert self.store is not None
         clock = PhaseClock()
-        await self.discover_engines()
+        vocab_size = await self.discover_engines()
         if not self.engines:
             raise Unavailable("no engine is registered")
-        self._check_probe(request)  # against the vocabulary the router serves now, before anything pauses
+        self._check_probe(request, vocab_size)  # against the vocabulary the router serves now, before any pause
         mode = request.pause_mode or (
             rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
         )
