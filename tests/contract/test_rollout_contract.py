@@ -295,6 +295,80 @@ def test_a_resume_during_a_drain_leaves_the_router_serving(router: Any) -> None:
     assert not status.paused and after.completions[0].token_ids
 
 
+def test_a_drain_that_times_out_leaves_admission_closed_under_another(router: Any) -> None:
+    """Two drains pending: the one that times out does not reopen admission under the other, so a
+    request sent then waits, the other drain pauses with nothing in flight, and the resume serves it."""
+
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> tuple[Any, ...]:
+        started = asyncio.Event()
+        long = asyncio.create_task(collect(stub, stream_request("long-two-drains", max_tokens=384, seed=9), started))
+        await asyncio.wait_for(started.wait(), 60)
+
+        def drain(seconds: float) -> rollout_pb2.PauseGenerationRequest:
+            timeout = duration_pb2.Duration()
+            timeout.FromNanoseconds(int(seconds * 1e9))
+            return rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_DRAIN, drain_timeout=timeout)
+
+        patient = asyncio.ensure_future(stub.PauseGeneration(drain(120), timeout=180))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.PauseGeneration(drain(0.3), timeout=60)
+        try:
+            held = asyncio.ensure_future(
+                stub.Generate(request("held-by-patient-drain", max_tokens=4, seed=3), timeout=180)
+            )
+            await asyncio.sleep(0.3)
+            during = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+            paused = await patient
+            status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+        finally:
+            await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest())
+        return error.value.code(), during, paused, status, await held, await asyncio.wait_for(long, 60)
+
+    code, during, paused, status, held, long = run(router, body)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert during.waiting_request_count == 1 and during.in_flight_request_count == 1  # only the long one
+    assert paused.suspended_request_count == 0 and status.paused and status.waiting_request_count == 1
+    assert held.completions[0].token_ids and len(long["finish"]) == 1
+
+
+def test_a_resume_racing_a_pause_leaves_a_consistent_router(router: Any) -> None:
+    """A PauseGeneration(keep) and a ResumeGeneration sent back to back, several times. Whichever
+    reaches the router last wins, and the router then says what it does: reported paused, a new
+    request waits at admission; reported running, it is served at once."""
+
+    async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> list[tuple[Any, ...]]:
+        rounds = []
+        for i in range(8):
+            pause = asyncio.ensure_future(
+                stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=60)
+            )
+            await asyncio.sleep(0.002 * (i % 4))
+            await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=60)
+            try:
+                await pause
+                outcome = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as error:
+                outcome = error.code()
+            status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+            call = asyncio.ensure_future(stub.Generate(request(f"after-race-{i}", max_tokens=2, seed=i), timeout=60))
+            done, _ = await asyncio.wait({call}, timeout=5)
+            held = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
+            if status.paused:
+                await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=60)
+            served = await call
+            rounds.append((outcome, status.paused, bool(done), held.waiting_request_count, served.completions[0]))
+        return rounds
+
+    rounds = run(router, body)
+    for outcome, paused, served_at_once, waiting, completion in rounds:
+        assert outcome in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION), rounds
+        if paused:
+            assert not served_at_once and waiting == 1, rounds
+        else:
+            assert served_at_once and waiting == 0, rounds
+        assert completion.token_ids
+
+
 def test_client_disconnect_cancels_the_engine_request(router: Any) -> None:
     async def body(stub: rollout_pb2_grpc.RolloutServiceStub) -> list[int]:
         call = stub.GenerateStream(stream_request("disconnect", max_tokens=300, seed=2))

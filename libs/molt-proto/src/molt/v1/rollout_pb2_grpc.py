@@ -95,8 +95,11 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseGeneration(self, request, context):
-        """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
-        ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+        """Stops scheduling new tokens (for a weight refit). Idempotent. Admission
+        stays closed while any pause is under way. A pause that a ResumeGeneration
+        overtakes (the resume came before the pause reached the engines, e.g. during
+        a drain) gives up (FAILED_PRECONDITION) without pausing; a resume that comes
+        later waits for the pause and then resumes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,8 +46,11 @@ class RolloutServiceStub:
     finish reason ABORTED; one still waiting out a pause fails with ABORTED.
     """
     PauseGeneration: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.PauseGenerationRequest, _rollout_pb2.PauseGenerationResponse]
-    """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
-    ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+    """Stops scheduling new tokens (for a weight refit). Idempotent. Admission
+    stays closed while any pause is under way. A pause that a ResumeGeneration
+    overtakes (the resume came before the pause reached the engines, e.g. during
+    a drain) gives up (FAILED_PRECONDITION) without pausing; a resume that comes
+    later waits for the pause and then resumes.
     """
     ResumeGeneration: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ResumeGenerationRequest, _rollout_pb2.ResumeGenerationResponse]
     """Continues after a pause, optionally under a new policy version. Idempotent."""
@@ -70,8 +73,11 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     finish reason ABORTED; one still waiting out a pause fails with ABORTED.
     """
     PauseGeneration: _aio.UnaryUnaryMultiCallable[_rollout_pb2.PauseGenerationRequest, _rollout_pb2.PauseGenerationResponse]  # type: ignore[assignment]
-    """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
-    ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+    """Stops scheduling new tokens (for a weight refit). Idempotent. Admission
+    stays closed while any pause is under way. A pause that a ResumeGeneration
+    overtakes (the resume came before the pause reached the engines, e.g. during
+    a drain) gives up (FAILED_PRECONDITION) without pausing; a resume that comes
+    later waits for the pause and then resumes.
     """
     ResumeGeneration: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ResumeGenerationRequest, _rollout_pb2.ResumeGenerationResponse]  # type: ignore[assignment]
     """Continues after a pause, optionally under a new policy version. Idempotent."""
@@ -115,8 +121,11 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.PauseGenerationRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.PauseGenerationResponse, _abc.Awaitable[_rollout_pb2.PauseGenerationResponse]]:
-        """Stops scheduling new tokens (for a weight refit). Idempotent. A drain that a
-        ResumeGeneration overtakes gives up (FAILED_PRECONDITION) without pausing.
+        """Stops scheduling new tokens (for a weight refit). Idempotent. Admission
+        stays closed while any pause is under way. A pause that a ResumeGeneration
+        overtakes (the resume came before the pause reached the engines, e.g. during
+        a drain) gives up (FAILED_PRECONDITION) without pausing; a resume that comes
+        later waits for the pause and then resumes.
         """
 
     @_abc_1.abstractmethod

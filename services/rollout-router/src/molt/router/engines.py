@@ -80,7 +80,9 @@ class EnginePool:
         self.versions_differ = False  # attached engines hold different weights: only a refit may resume them
         self.paused = False
         self.waiting = 0  # requests held at admission by a pause
-        self.resumes = 0  # resumes so far: a drain that outlived one gives up (the resume reopened admission)
+        self.closing = 0  # pause calls under way: admission stays closed while any is
+        self.overtaken: set[asyncio.Event] = set()  # one per pause under way: set by a resume meanwhile
+        self._switch = asyncio.Lock()
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -408,47 +410,63 @@ class EnginePool:
     async def pause(self, mode: Literal["drain", "keep"], drain_timeout_s: float) -> int:
         """Closes admission and pauses the engines; returns the requests in flight at the pause.
 
-        ``drain`` waits for in-flight requests first (and reopens, raising TimedOut, if they
-        do not finish in time; a caller that gives up meanwhile reopens it too); ``keep`` suspends
-        them inside the engines.
+        ``drain`` waits for in-flight requests first (and gives up, raising TimedOut, if they do
+        not finish in time); ``keep`` suspends them inside the engines. Admission stays closed
+        while any pause is under way or in force. A resume that comes before this pause reaches
+        the engines overtakes it (WrongState, nothing paused); one that comes later runs after it.
         """
+        overtaken = asyncio.Event()
+        self.overtaken.add(overtaken)
+        self.closing += 1
         self._open.clear()
-        if mode == "drain":
-            resumes = self.resumes
-            try:
-                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
-            except BaseException as exc:  # timed out, or the caller gave up on its drain: admission reopens
-                if not self.paused:
-                    self._open.set()
-                if not isinstance(exc, TimeoutError):
-                    raise
-                raise TimedOut(
-                    f"{len(self.in_flight)} requests still in flight after {drain_timeout_s} s of draining",
-                    reason="DRAIN_TIMEOUT",
-                ) from exc
-            if self.resumes != resumes:  # pausing the engines now would leave them paused behind open admission
-                if not self.paused:  # (a resume that failed midway left admission closed)
-                    self._open.set()
-                raise WrongState(
-                    "a resume came while this pause was draining; not paused", reason="RESUMED_WHILE_DRAINING"
-                )
+        try:
+            if mode == "drain":
+                await self._drain(drain_timeout_s, overtaken)
+            async with self._switch:  # the engines' pause and resume, one at a time
+                if overtaken.is_set():
+                    raise WrongState(
+                        "a resume came while this pause was under way; not paused", reason="RESUMED_WHILE_PAUSING"
+                    )
+                return await self._pause_engines(mode)
+        finally:  # done, timed out, overtaken, or its caller gave up: admission reopens unless paused
+            self.overtaken.discard(overtaken)
+            self.closing -= 1
+            self._settle_admission()
+
+    async def _drain(self, timeout_s: float, overtaken: asyncio.Event) -> None:
+        """Waits until nothing is in flight, or a resume overtakes the pause, or ``timeout_s`` passes."""
+        idle = asyncio.ensure_future(self._idle.wait())
+        resumed = asyncio.ensure_future(overtaken.wait())
+        try:
+            done, _ = await asyncio.wait({idle, resumed}, timeout=timeout_s, return_when="FIRST_COMPLETED")
+        finally:
+            idle.cancel()
+            resumed.cancel()
+        if overtaken.is_set():
+            raise WrongState("a resume came while this pause was draining; not paused", reason="RESUMED_WHILE_PAUSING")
+        if not done:
+            raise TimedOut(
+                f"{len(self.in_flight)} requests still in flight after {timeout_s} s of draining",
+                reason="DRAIN_TIMEOUT",
+            )
+
+    async def _pause_engines(self, mode: Literal["drain", "keep"]) -> int:
         suspended = len(self.in_flight)
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
         clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
         started = time.monotonic()
-        # Shielded: once the engines are told to pause they pause, so a caller that gives up now leaves the
-        # router paused (as it reports), not closed to new requests while it says it is running.
         engines = asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self._live_actors()))
+        # Shielded: once the engines are told to pause they pause, so the router counts itself paused
+        # whatever the outcome (a caller that gives up, an engine that fails): it reports what it may be,
+        # keeps admission closed, and a resume recovers it.
         try:
             await asyncio.shield(engines)
         except asyncio.CancelledError:
-            await engines
+            await asyncio.wait({engines})
+            raise
+        finally:
             self.paused = True
             metrics.PAUSED.set(1)
-            raise
-        engines_s = time.monotonic() - started
-        self.paused = True
-        metrics.PAUSED.set(1)
         log.info(
             "paused",
             extra={
@@ -456,37 +474,51 @@ class EnginePool:
                 "suspended": suspended,
                 "kv_cache": "cleared" if clear_cache else "kept",
                 "policy_version": self.policy_version,
-                "engines_s": round(engines_s, 4),  # the engines' part of the pause (after any drain)
+                "engines_s": round(time.monotonic() - started, 4),  # the engines' part of the pause (after any drain)
             },
         )
         return suspended
 
     async def resume(self, policy_version: int | None) -> int:
-        """Resumes the engines (under ``policy_version`` if given) and reopens admission."""
+        """Resumes the engines (under ``policy_version`` if given) and reopens admission; overtakes any
+        pause that has not reached the engines yet."""
+        self._check_resume(policy_version)
+        for overtaken in self.overtaken:
+            overtaken.set()
+        async with self._switch:
+            self._check_resume(policy_version)  # again: another resume may have run meanwhile
+            if policy_version is not None:
+                self.policy_version = policy_version
+            started = time.monotonic()
+            await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
+            self.paused = False
+            self.versions_differ = False
+        self._settle_admission()
+        metrics.PAUSED.set(0)
+        metrics.POLICY_VERSION.set(self.policy_version)
+        log.info(
+            "resumed",
+            extra={"policy_version": self.policy_version, "engines_s": round(time.monotonic() - started, 4)},
+        )
+        return self.policy_version
+
+    def _check_resume(self, policy_version: int | None) -> None:
         if policy_version is None and self.versions_differ:
             raise WrongState(
                 "the engines hold different weights (attached engines at different versions, or beside fresh "
                 "ones); only a refit can resume them: ResumeGeneration with the new policy_version",
                 reason="ENGINES_DIFFER",
             )
-        if policy_version is not None:
-            if policy_version < self.policy_version:
-                raise InvalidInput(
-                    f"policy_version {policy_version} is older than the current {self.policy_version}",
-                    reason="VERSION_REGRESSION",
-                )
-            self.policy_version = policy_version
-        self.resumes += 1
-        started = time.monotonic()
-        await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
-        engines_s = time.monotonic() - started
-        self.paused = False
-        self.versions_differ = False
-        self._open.set()
-        metrics.PAUSED.set(0)
-        metrics.POLICY_VERSION.set(self.policy_version)
-        log.info("resumed", extra={"policy_version": self.policy_version, "engines_s": round(engines_s, 4)})
-        return self.policy_version
+        if policy_version is not None and policy_version < self.policy_version:
+            raise InvalidInput(
+                f"policy_version {policy_version} is older than the current {self.policy_version}",
+                reason="VERSION_REGRESSION",
+            )
+
+    def _settle_admission(self) -> None:
+        """Opens admission when no pause is under way or in force."""
+        if not self.paused and self.closing == 0:
+            self._open.set()
 
     def _live_actors(self) -> list[Any]:
         """The engines whose data channel is open (pausing or resuming a dead one would fail every refit)."""
