@@ -98,20 +98,38 @@ def test_openai_plain_logprobs_and_identical_retry(router: Any) -> None:
 
 
 def test_openai_streaming_matches_the_recorded_tokens(router: Any) -> None:
+    """A streamed reply's text is the recorded tokens' text; with logprobs, the chunks' logprobs are
+    the recorded ones, in order, each chunk's with the text it came from."""
+
     async def body(front: ChatFront, base_url: str) -> None:
         session = front.open_session()
         client = openai_client(base_url, session)
-        stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True, seed=3
-        )
-        text, finishes = "", []
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
-        (segment,) = session.transcript.segments
-        assert text == session.transcript.reply_text(segment.response_ids)
-        assert len(finishes) == 1 and segment.turns == 1 and all(segment.loss_mask)
+        for logprobs in (False, True):
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": f"hi {logprobs}"}],
+                max_tokens=12,
+                stream=True,
+                seed=3,
+                **({"logprobs": True, "top_logprobs": 2} if logprobs else {}),
+            )
+            text, finishes, entries = "", [], []
+            async for chunk in stream:
+                if chunk.choices:
+                    choice = chunk.choices[0]
+                    text += choice.delta.content or ""
+                    finishes += [choice.finish_reason] if choice.finish_reason else []
+                    assert (choice.logprobs is not None) == logprobs
+                    if choice.logprobs and choice.logprobs.content:
+                        entries += choice.logprobs.content
+                        assert choice.delta.content or choice.finish_reason  # logprobs come with their text
+            segment = session.transcript.segments[-1]
+            assert text == session.transcript.reply_text(segment.response_ids)
+            assert len(finishes) == 1 and segment.turns == 1 and all(segment.loss_mask)
+            if logprobs:
+                assert [e.logprob for e in entries] == pytest.approx(segment.logprobs, abs=1e-6)
+                assert [e.token for e in entries] == [front.tokenizer.decode([t]) for t in segment.response_ids]
+                assert all(len(e.top_logprobs) == 2 for e in entries)
         await client.close()
 
     with_front(router, body)
@@ -314,6 +332,11 @@ def test_refusals_come_before_a_stream_starts_and_malformed_fields_get_400(route
                 url, json={"model": "m", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, headers=headers
             )
             assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large", big.text
+            # The router's refusals, in the request's terms: its field names, not the router's.
+            for request, field in (({"n": 100}, "n 100"), ({"temperature": 0.25}, "temperature is protected")):
+                reply = await http.post(url, json={"model": "m", "messages": user, **request}, headers=headers)
+                message = reply.json()["error"]["message"]
+                assert reply.status_code == 400 and field in message and "sampl" not in message, message
         assert session.transcript.segments == []
         capped = await client.chat.completions.create(model="m", messages=user, max_tokens=100_000, seed=3)
         assert capped.usage.completion_tokens <= front.limits.max_tokens_cap

@@ -55,6 +55,11 @@ class TooLarge(MoltError):
     reason = "PAYLOAD_TOO_LARGE"
 
 
+# The router's names of request fields that each API names otherwise (the rest are the same, less the prefix).
+ROUTER_FIELDS = {
+    "openai": {"sample_count": "n", "top_logprob_count": "top_logprobs", "stop_strings": "stop"},
+    "anthropic": {"stop_strings": "stop_sequences"},
+}
 HTTP_STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, TooLarge: 413, Unavailable: 503}
 
 
@@ -284,19 +289,22 @@ class ChatFront:
 
         return primed()
 
-    async def _stream_text(self, session: Session, chunks: Chunks, sample: Sample, live: bool) -> AsyncIterator[str]:
-        """Yields text deltas of sample 0 as tokens arrive (all at the end when ``live`` is False)."""
+    async def _stream_text(
+        self, session: Session, chunks: Chunks, sample: Sample, live: bool
+    ) -> AsyncIterator[tuple[str, int]]:
+        """Yields text deltas of sample 0 as tokens arrive (all at the end when ``live`` is False), each
+        with the number of sampled tokens its text covers so far."""
         sent = ""
         async with contextlib.aclosing(chunks):  # closed here (the router's call cancelled) if this fails
             async for _, chunk in chunks:
                 sample.extend(chunk)
                 text = session.transcript.reply_text(sample.token_ids)
                 if live and not text.endswith("\ufffd") and len(text) > len(sent):  # hold back a split character
-                    yield text[len(sent) :]
+                    yield text[len(sent) :], len(sample.token_ids)
                     sent = text
         text = session.transcript.reply_text(sample.token_ids)
         if live and len(text) > len(sent):  # whatever was held back (bytes that never formed a character)
-            yield text[len(sent) :]
+            yield text[len(sent) :], len(sample.token_ids)
 
     # -- OpenAI -------------------------------------------------------------------------------
 
@@ -308,8 +316,6 @@ class ChatFront:
         top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if top_logprobs and not logprobs:
             raise InvalidInput("top_logprobs needs logprobs = true")
-        if logprobs and stream:
-            raise InvalidInput("logprobs are not supported with stream = true")
         max_tokens = _integer(body, "max_completion_tokens", 1)
         sample_count = _integer(body, "n", 1, 2**31 - 1) or 1
         if stream and sample_count > 1:
@@ -356,16 +362,18 @@ class ChatFront:
         )
         return self._remember(session, digest, reply)
 
-    def _openai_logprobs(self, sample: Sample) -> list[dict[str, Any]]:
+    def _openai_logprobs(self, sample: Sample, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
+        """OpenAI's per-token logprobs entries of ``sample``'s tokens ``start:end``."""
+
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             token = self.tokenizer.decode([token_id])
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
+        tokens = sample.token_ids[start:end]
+        tops = sample.top_logprobs[start:end] or [None] * len(tokens)
         return [
             {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in zip(*top, strict=True)] if top else []}
-            for t, lp, top in zip(
-                sample.token_ids, sample.logprobs, sample.top_logprobs or [None] * len(sample.token_ids), strict=True
-            )
+            for t, lp, top in zip(tokens, sample.logprobs[start:end], tops, strict=True)
         ]
 
     async def _openai_events(
@@ -379,21 +387,23 @@ class ChatFront:
         cid: str,
         body: dict[str, Any],
     ) -> AsyncIterator[str]:
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        sample = Sample()
+        covered = 0  # tokens whose logprobs went out (with the text they make up)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, upto: int | None = None) -> str:
+            nonlocal covered
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            if turn.logprobs:
+                upto = len(sample.token_ids) if upto is None else upto
+                choice["logprobs"] = {"content": self._openai_logprobs(sample, covered, upto), "refusal": None}
+                covered = upto
             return json.dumps(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                }
+                {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
             )
 
-        sample = Sample()
-        yield chunk({"role": "assistant", "content": ""})
-        async for delta in self._stream_text(session, chunks, sample, live=not turn.tools):
-            yield chunk({"content": delta})
+        yield chunk({"role": "assistant", "content": ""}, upto=0)
+        async for delta, upto in self._stream_text(session, chunks, sample, live=not turn.tools):
+            yield chunk({"content": delta}, upto=upto)
         reply = self._reply(session, turn, sample)
         self._commit(session, plan, sample, reply)
         final = fmt.openai_response(
@@ -485,7 +495,7 @@ class ChatFront:
         }
         yield event("message_start", message=start)
         text_open = False
-        async for delta in self._stream_text(session, chunks, sample, live=not turn.tools):
+        async for delta, _ in self._stream_text(session, chunks, sample, live=not turn.tools):
             if not text_open:
                 yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
                 text_open = True
@@ -613,12 +623,20 @@ def _failure(api: str, exc: Exception, what: str) -> tuple[int, dict[str, Any]]:
     (MoltError) as a warning, anything else with its traceback."""
     status = next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
     if isinstance(exc, MoltError):
+        message = _http_names(api, exc.message)
         log.warning(
-            "front %s refused", what, extra={"api": api, "status": status, "reason": exc.reason, "error": exc.message}
+            "front %s refused", what, extra={"api": api, "status": status, "reason": exc.reason, "error": message}
         )
-        return status, error_body(api, status, exc.message)
+        return status, error_body(api, status, message)
     log.exception("front %s failed", what, extra={"api": api})
     return status, error_body(api, status, f"internal error: {type(exc).__name__}")
+
+
+def _http_names(api: str, message: str) -> str:
+    """A router refusal in the terms of the client's request: its field names, not the router's."""
+    for router_name, name in ROUTER_FIELDS[api].items():
+        message = message.replace(f"sampling_params.{router_name}", name)
+    return message.replace("sampling_params.", "")
 
 
 def error_body(api: str, status: int, message: str) -> dict[str, Any]:
