@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from molt.core.errors import Backpressure, InvalidInput
-from molt.core.queue import CONSUMER_GROUP, PutResult, QueueKeys, QueueStats, TrajectoryQueue
+from molt.core.queue import CONSUMER_GROUP, DEAD_PAYLOAD_BYTES, PutResult, QueueKeys, QueueStats, TrajectoryQueue
 from molt.core.testing import RedisServer
 from molt.core.trajectory import group_problems
 from molt.v1 import common_pb2
@@ -190,6 +190,8 @@ def _break(field: str) -> Callable[[common_pb2.Trajectory], None]:
             t.segment_index = -1
         elif field == "reward":
             t.reward = math.nan
+        elif field == "rollout_logprobs=inf":
+            t.rollout_logprobs[2] = -math.inf
         elif field == "routed_expert_ids":
             t.routed_expert_layer_count, t.routed_expert_top_k = 2, 1
             t.routed_expert_ids.extend([0] * 7)  # 4 tokens x 2 layers x top 1 = 8
@@ -211,6 +213,7 @@ def _break(field: str) -> Callable[[common_pb2.Trajectory], None]:
         ("policy_versions", "policy_versions has 3 entries"),
         ("routed_expert_ids", "routed_expert_ids has 7 entries, expected tokens*layers*top_k = 8"),
         ("reward", "reward nan is not finite"),
+        ("rollout_logprobs=inf", "rollout_logprobs[2] = -inf is not finite"),
     ],
 )
 def test_every_structural_check_refuses(field: str, message: str) -> None:
@@ -237,19 +240,50 @@ def test_malformed_entries_go_to_dead_letters(redis_client: redis.Redis) -> None
     wrong_lengths = make_group()
     wrong_lengths.trajectories[0].rollout_logprobs.append(0.0)
     redis_client.xadd(keys.stream, {"group": wrong_lengths.SerializeToString()})
+    nan_logprob = make_group()
+    nan_logprob.trajectories[1].rollout_logprobs[0] = math.nan
+    redis_client.xadd(keys.stream, {"group": nan_logprob.SerializeToString()})
     queue.put(make_group(prompt_id="after"))
 
     entries = queue.read(count=10)
     assert [e.group.prompt_id for e in entries] == ["before", "after"]
     dead = redis_client.xrange(keys.dead_letters)
     reasons = [fields[b"reason"].decode() for _, fields in dead]
-    assert len(reasons) == 3
+    assert len(reasons) == 4
     assert "no 'group' field" in reasons[1]
     assert "rollout_logprobs has 5 entries" in reasons[2]
+    assert "rollout_logprobs[0] = nan is not finite" in reasons[3]
     assert dead[0][1][b"group"] == b"\xff\xff not a protobuf"  # the original bytes are kept for inspection
     stats = queue.stats()
-    assert (stats.depth, stats.pending, stats.dead_letters) == (2, 2, 3)
-    assert queue.skipped() == 3  # groups that will never be trained: a pacing producer starts others
+    assert (stats.depth, stats.pending, stats.dead_letters) == (2, 2, 4)
+    assert queue.skipped() == 4  # groups that will never be trained: a pacing producer starts others
+
+
+def test_oversize_groups_are_refused_and_dead_lettered_in_part(redis_client: redis.Redis) -> None:
+    """A group over ``max_entry_bytes`` is refused at put (GROUP_TOO_LARGE) and dead-lettered when written
+    around the check; the dead letter keeps the size and only the first DEAD_PAYLOAD_BYTES of it."""
+    keys = QueueKeys(RUN)
+    queue = TrajectoryQueue(redis_client, RUN, consumer="c0", max_entry_bytes=2 << 20)
+    big = make_group(samples=2, tokens=400_000)  # ~3.2 MB serialized
+    with pytest.raises(InvalidInput, match="over the queue's bound") as refused:
+        queue.put(big)
+    assert refused.value.reason == "GROUP_TOO_LARGE"
+    payload = big.SerializeToString()
+    redis_client.xadd(keys.stream, {"group": payload})
+    queue.put(make_group(prompt_id="after"))
+    assert [e.group.prompt_id for e in queue.read(count=10)] == ["after"]
+    ((_, letter),) = redis_client.xrange(keys.dead_letters)
+    assert b"over the bound" in letter[b"reason"] and int(letter[b"bytes"]) == len(payload)
+    assert letter[b"group"] == payload[:DEAD_PAYLOAD_BYTES]
+
+
+def test_segments_of_one_episode_must_agree_on_its_reward() -> None:
+    group = make_group(samples=2)
+    group.trajectories[1].rollout_id = group.trajectories[0].rollout_id  # rewards 0.0 and 1.0
+    (problem,) = group_problems(group, RUN)
+    assert "disagree on the episode's reward (0.0 and 1.0)" in problem
+    group.trajectories[1].reward = 0.0
+    assert group_problems(group, RUN) == []
 
 
 def test_skipped_groups_are_counted_for_producers(redis_client: redis.Redis) -> None:

@@ -94,3 +94,40 @@ def test_padded_right_pads_with_zeros() -> None:
     grid = padded([torch.tensor([1, 2]), torch.tensor([3])])
     assert grid.tolist() == [[1, 2], [3, 0]]
     assert padded([torch.tensor([True])], 3).tolist() == [[True, False, False]]
+
+
+def test_entries_that_reuse_group_and_rollout_ids_stay_apart() -> None:
+    """Two queue entries with the same group_id and the same rollout ids (a producer numbering episodes
+    per prompt): two groups and four episodes, so each group is normalised on its own."""
+    first = make_group_of("g", [trajectory("a", [1], [2], rollout_id="ep-0"), trajectory("b", [1], [2])])
+    second = make_group_of("g", [trajectory("c", [1], [2], rollout_id="ep-0"), trajectory("d", [1], [2])])
+    first.trajectories[1].rollout_id = second.trajectories[1].rollout_id = "ep-1"
+    samples = [*build_group_keyed(first, "1-0"), *build_group_keyed(second, "2-0")]
+    batch = assemble(samples)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.rollout_ids.tolist() == [0, 1, 2, 3]
+
+
+def build_group_keyed(group, key: str):
+    return build_group(
+        group, vocab_size=VOCAB, current_version=0, max_staleness=1, consumed=set(), needs_groups=True, key=key
+    ).samples
+
+
+def test_samples_of_a_future_version_or_too_long_are_dropped() -> None:
+    """Learner at version 2: a loss token of version 3 was sampled by no policy it made; a sample of 6
+    tokens is over a max_length of 5."""
+    future = trajectory("future", [1], [2, 3], versions=[2, 3])
+    long = trajectory("long", [1, 2, 3], [4, 5, 6])
+    kept = trajectory("kept", [1], [2], versions=[2])
+    outcome = build_group(
+        make_group_of("g", [future, long, kept]),
+        vocab_size=VOCAB,
+        current_version=2,
+        max_staleness=4,
+        consumed=set(),
+        needs_groups=True,
+        max_length=5,
+    )
+    assert [s.trajectory_id for s in outcome.samples] == ["kept"]
+    assert outcome.dropped == {"future_version": 1, "too_long": 1}

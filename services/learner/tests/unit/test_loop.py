@@ -13,9 +13,11 @@ from typing import cast
 
 import pytest
 import redis
+import torch
 from prometheus_client import REGISTRY
 from torch import nn
 
+from molt.core.errors import WrongState
 from molt.core.queue import TrajectoryQueue
 from molt.learner.checkpoint import Checkpoints
 from molt.learner.config import LearnerSettings
@@ -183,3 +185,39 @@ def test_many_samples_dropped_as_stale_are_warned_about(caplog: pytest.LogCaptur
     assert len(warnings) == 1 and warnings[0].startswith("18 samples were dropped as stale since the last")
     assert "against 50 trained" in warnings[0] and "more than 4 versions" in warnings[0]
     assert "drop_after_versions" in warnings[0]
+
+
+def test_a_refused_step_dead_letters_its_groups_and_leaves_no_gradient_behind(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """Fault injected (the queue refuses a NaN logprob, so it is written into a sample already read): the
+    step is refused, its two groups go to the dead letters with the reason, no gradient is left, and the
+    next step, on good groups, trains to finite weights. Three refusals in a row stop the learner."""
+    settings = learner_settings(checkpoint_every=1, poll_s=0.05)
+    producer = TrajectoryQueue(redis_client, "molt")
+    producer.put_many([named_group(f"g{i}", REWARDS) for i in range(4)])
+    loop = make_loop(settings, redis_client)
+    clock = _Clock(0.0)
+    loop._read(clock)
+    assert len(loop.ready) >= 2
+    loop.ready[0].samples[1].rollout_logprobs[-1] = float("nan")
+    loop._train_one_step()
+    assert loop.state.step == 0 and loop.state.dropped == {"refused_step": 8}
+    assert all(p.grad is None for p in loop.trainer.model.parameters())
+    letters = redis_client.xrange(producer.keys.dead_letters)
+    assert len(letters) == 2 and all(
+        b"refused the step: rollout_logprobs contains NaN" in f[b"reason"] for _, f in letters
+    )
+    while len(loop.ready) < 2:
+        loop._read(clock)
+    loop._train_one_step()
+    assert loop.state.step == 1 and loop.refused_in_a_row == 0
+    assert all(torch.isfinite(p).all() for p in loop.trainer.model.parameters())
+    producer.put_many([named_group(f"h{i}", REWARDS) for i in range(6)])
+    with pytest.raises(WrongState, match="3 steps in a row were refused"):
+        for _ in range(3):
+            while len(loop.ready) < 2:
+                loop._read(clock)
+            loop.ready[0].samples[0].rollout_logprobs[-1] = float("inf")
+            loop._train_one_step()
+    assert producer.stats().dead_letters == 8

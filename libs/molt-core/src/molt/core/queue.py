@@ -6,7 +6,9 @@ Key schema (see docs/queue.md; any producer in any language can follow it):
   serialized ``molt.v1.TrajectoryGroup``. Consumer group ``learner``.
 - ``molt:<run>:trajectory-ids`` - set of every trajectory id ever queued (dedupe).
 - ``molt:<run>:trajectories:dead`` - dead letters: fields ``reason``,
-  ``entry_id`` and the original ``group`` bytes.
+  ``entry_id``, ``bytes`` (the payload's size) and the original ``group``
+  bytes (their first ``DEAD_PAYLOAD_BYTES``); about the newest
+  ``DEAD_LETTERS_KEPT`` are kept.
 - ``molt:<run>:groups-skipped`` - set of the entry ids the consumer settled without
   training on them (dead-lettered, or every sample stale or a duplicate): a
   producer that paces itself on the policy version starts that many more.
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "learner"
 PAYLOAD_FIELD = b"group"
+MAX_ENTRY_BYTES = 64 << 20  # default bound on one serialized group
+DEAD_LETTERS_KEPT = 10_000  # about this many newest dead letters are kept (XADD MAXLEN ~)
+DEAD_PAYLOAD_BYTES = 1 << 20  # a dead letter keeps at most this much of its payload
 
 # Atomically: refuse when the stream is at its bound; report already-seen ids
 # without writing; otherwise remember the ids and append the entry.
@@ -109,7 +114,8 @@ class TrajectoryQueue:
 
     ``max_length`` bounds the stream (entries not yet acknowledged); ``put``
     then waits up to its ``timeout`` and raises ``Backpressure`` - it never
-    drops. A consumer reads as ``consumer``; entries another consumer left
+    drops. ``max_entry_bytes`` bounds one serialized group: ``put`` refuses a
+    larger one, the reader dead-letters it. A consumer reads as ``consumer``; entries another consumer left
     pending longer than ``reclaim_after_s`` are claimed (XAUTOCLAIM) on read.
     """
 
@@ -121,12 +127,14 @@ class TrajectoryQueue:
         max_length: int = 1024,
         consumer: str | None = None,
         reclaim_after_s: float = 60.0,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         if max_length < 1:
             raise InvalidInput(f"max_length must be >= 1, got {max_length}")
         self.client = client
         self.keys = QueueKeys(run_id)
         self.max_length = max_length
+        self.max_entry_bytes = max_entry_bytes
         self.consumer = consumer
         self.reclaim_after_s = reclaim_after_s
         self._put = client.register_script(_PUT_SCRIPT)
@@ -167,6 +175,13 @@ class TrajectoryQueue:
             return []
         deadline = None if timeout is None else time.monotonic() + timeout
         payloads = [group.SerializeToString() for group in groups]
+        for group, payload in zip(groups, payloads, strict=True):
+            if len(payload) > self.max_entry_bytes:
+                raise InvalidInput(
+                    f"group {group.group_id!r} is {len(payload)} bytes serialized, over the queue's bound of "
+                    f"{self.max_entry_bytes}",
+                    reason="GROUP_TOO_LARGE",
+                )
         entry_ids = self._put_transaction(groups, payloads)
         if entry_ids is not None:
             return [PutResult(entry_id, ()) for entry_id in entry_ids]
@@ -323,6 +338,8 @@ class TrajectoryQueue:
             try:
                 if payload is None:
                     raise DecodeError(f"entry has no {PAYLOAD_FIELD.decode()!r} field")
+                if len(payload) > self.max_entry_bytes:
+                    raise DecodeError(f"payload of {len(payload)} bytes is over the bound of {self.max_entry_bytes}")
                 group = common_pb2.TrajectoryGroup.FromString(payload)
                 problems = group_problems(group, self.keys.run_id)
                 if problems:
@@ -334,10 +351,18 @@ class TrajectoryQueue:
             entries.append(QueueEntry(eid, group))
         return entries
 
+    def dead_letter(self, entries: Sequence[QueueEntry], reason: str) -> None:
+        """Moves entries this consumer read, well-formed but unusable (the learner refused the step they
+        made), to the dead letters: acknowledged, counted as skipped, kept there for inspection."""
+        for entry in entries:
+            self._dead_letter(entry.entry_id, entry.group.SerializeToString(), reason)
+            self._held.discard(entry.entry_id)
+
     def _dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
-        log.error("malformed queue entry moved to dead letters", extra={"entry_id": entry_id, "reason": reason})
+        log.error("queue entry moved to dead letters", extra={"entry_id": entry_id, "reason": reason})
+        letter = {"reason": reason, "entry_id": entry_id, "bytes": len(payload), "group": payload[:DEAD_PAYLOAD_BYTES]}
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.dead_letters, {"reason": reason, "entry_id": entry_id, "group": payload})
+            pipe.xadd(self.keys.dead_letters, letter, maxlen=DEAD_LETTERS_KEPT, approximate=True)
             pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(self.keys.stream, entry_id)
             pipe.sadd(self.keys.skipped_groups, entry_id)

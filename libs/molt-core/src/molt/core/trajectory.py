@@ -3,9 +3,10 @@
 Producers call ``group_problems`` before queueing and the queue's reader calls
 it again on every entry, so a malformed group (wrong array lengths, missing
 ids) is refused at the door or dead-lettered, never handed to the learner.
-Only structure is checked here: a per-token loop would cost more than the
-Redis round trip. Token *values* are checked against the vocabulary by the
-learner, vectorised, when it turns them into tensors.
+Structure is checked here, and that the numbers the loss takes are finite (one
+sum per array, in C: a per-token Python loop would cost more than the Redis
+round trip). Token *values* are checked against the vocabulary by the learner,
+vectorised, when it turns them into tensors.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def trajectory_problems(trajectory: common_pb2.Trajectory) -> list[str]:
             )
     if not math.isfinite(trajectory.reward):
         problems.append(f"{name}: reward {trajectory.reward} is not finite")
+    if not math.isfinite(sum(trajectory.rollout_logprobs)):  # NaN or +-inf anywhere makes the sum so
+        bad = next(i for i, v in enumerate(trajectory.rollout_logprobs) if not math.isfinite(v))
+        problems.append(f"{name}: rollout_logprobs[{bad}] = {trajectory.rollout_logprobs[bad]} is not finite")
     return problems
 
 
@@ -56,6 +60,14 @@ def group_problems(group: common_pb2.TrajectoryGroup, run_id: str | None = None)
     ids = [t.trajectory_id for t in group.trajectories]
     if len(set(ids)) != len(ids):
         problems.append("trajectory_id repeated within the group")
+    rewards: dict[str, float] = {}
     for trajectory in group.trajectories:
         problems.extend(trajectory_problems(trajectory))
+        first = rewards.setdefault(trajectory.rollout_id, trajectory.reward)
+        if first != trajectory.reward and not math.isnan(trajectory.reward):
+            problems.append(
+                f"segments of rollout {trajectory.rollout_id!r} disagree on the episode's reward "
+                f"({first} and {trajectory.reward})"
+            )
+            rewards[trajectory.rollout_id] = trajectory.reward  # one line per disagreement
     return problems

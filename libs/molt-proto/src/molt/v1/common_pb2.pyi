@@ -273,7 +273,7 @@ class Trajectory(_message.Message):
     @_builtins.property
     def rollout_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Per response token: log-probability (natural log) the engine assigned to
-        the token it sampled, after temperature. 0 where loss_mask is false.
+        the token it sampled, after temperature. 0 where loss_mask is false. Finite.
         """
 
     @_builtins.property
@@ -362,7 +362,9 @@ class TrajectoryGroup(_message.Message):
     agent_name: _builtins.str
     """Name of the agent that produced the samples (recipe's agent spec)."""
     sample_count: _builtins.int
-    """Number of episodes requested for this prompt (n), >= 1."""
+    """Number of episodes requested for this prompt (n), >= 1. The learner's group
+    estimators (GRPO, RLOO, ...) drop a group whose sample_count is below 2.
+    """
     failed_sample_count: _builtins.int
     """Number of those episodes that failed (raised, timed out) and are absent."""
     @_builtins.property

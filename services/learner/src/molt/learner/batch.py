@@ -3,8 +3,11 @@
 ``build_group`` turns one group into samples the moment it is read, and drops,
 counted by reason (``DropReason``), what must not be trained on: groups with a
 token id outside the model's vocabulary (checked once per group, vectorised),
-samples older than ``max_staleness`` policy versions, trajectory ids already
-trained on, samples without a single policy token. ``assemble`` then gives the
+samples older than ``max_staleness`` policy versions or sampled by a version
+newer than the learner's (no policy of this run made them), samples longer than
+the learner trains, trajectory ids already trained on, samples without a single
+policy token. Each queue entry is its own group and its own set of episodes, so
+two entries that reuse a ``group_id`` or a ``rollout_id`` are never merged. ``assemble`` then gives the
 samples of one optimizer step the integer group and rollout ids the estimators
 in ``molt.algos.advantages`` take, and ``padded`` lays per-token arrays on a
 ``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights).
@@ -30,7 +33,9 @@ from molt.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-DropReason = Literal["invalid_token", "stale", "duplicate", "no_loss_tokens", "group_of_one"]
+DropReason = Literal[
+    "invalid_token", "stale", "future_version", "too_long", "duplicate", "no_loss_tokens", "group_of_one"
+]  # the loop adds "refused_step": samples of a step the trainer refused (a non-finite value)
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,8 @@ class Sample:
     """One trajectory (segment) as the learner trains on it."""
 
     trajectory_id: str
-    group_key: str  # TrajectoryGroup.group_id
-    rollout_key: str  # Trajectory.rollout_id: segments of one episode share it
+    group_key: str  # the queue entry's id (else TrajectoryGroup.group_id): samples normalised together
+    rollout_key: str  # group_key + Trajectory.rollout_id: segments of one episode share it
     input_ids: Tensor  # [L] int64: prompt + response
     loss_mask: Tensor  # [L - 1] bool, next-token axis: true where input_ids[k + 1] was sampled by the policy
     rollout_logprobs: Tensor  # [L - 1] float32, next-token axis; 0 off the mask
@@ -63,7 +68,7 @@ class GroupOutcome:
     dropped: Counter[str]
 
 
-def _sample(group: common_pb2.TrajectoryGroup, t: common_pb2.Trajectory) -> Sample:
+def _sample(key: str, t: common_pb2.Trajectory) -> Sample:
     prompt = torch.tensor(list(t.prompt_token_ids), dtype=torch.int64)
     response = torch.tensor(list(t.response_token_ids), dtype=torch.int64)
     mask = torch.tensor(list(t.loss_mask), dtype=torch.bool)
@@ -72,8 +77,8 @@ def _sample(group: common_pb2.TrajectoryGroup, t: common_pb2.Trajectory) -> Samp
     pad = prompt.numel() - 1  # prompt positions that predict prompt tokens
     return Sample(
         trajectory_id=t.trajectory_id,
-        group_key=group.group_id,
-        rollout_key=t.rollout_id,
+        group_key=key,
+        rollout_key=f"{key}/{t.rollout_id}",
         input_ids=torch.cat([prompt, response]),
         loss_mask=torch.cat([torch.zeros(pad, dtype=torch.bool), mask]),
         rollout_logprobs=torch.cat([torch.zeros(pad), torch.tensor(list(t.rollout_logprobs), dtype=torch.float32)]),
@@ -102,12 +107,16 @@ def build_group(
     max_staleness: int,
     consumed: Container[str],
     needs_groups: bool,
+    key: str | None = None,
+    max_length: int | None = None,
 ) -> GroupOutcome:
     """Samples of ``group`` that may be trained on at ``current_version``; the rest counted by reason.
 
     ``consumed``: trajectory ids already trained on (a re-delivered entry after a crash).
     ``needs_groups``: the estimator normalises within a group, so a group produced with
     ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
+    ``key``: the group's identity in the step (the queue entry id; default its ``group_id``).
+    ``max_length``: the most prompt + response tokens of a sample trained on (longer: "too_long").
     """
     dropped: Counter[str] = Counter()
     count = len(group.trajectories)
@@ -117,6 +126,10 @@ def build_group(
         dropped["invalid_token"] += count
         return GroupOutcome([], dropped)
     if needs_groups and group.sample_count < 2:
+        log.warning(
+            "dropping a group produced with sample_count < 2: the estimator compares samples of one prompt",
+            extra={"groupId": group.group_id, "sampleCount": group.sample_count, "trajectories": count},
+        )
         dropped["group_of_one"] += count
         return GroupOutcome([], dropped)
     samples: list[Sample] = []
@@ -124,12 +137,31 @@ def build_group(
         if trajectory.trajectory_id in consumed:
             dropped["duplicate"] += 1
             continue
-        sample = _sample(group, trajectory)
+        length = len(trajectory.prompt_token_ids) + len(trajectory.response_token_ids)
+        if max_length is not None and length > max_length:
+            log.warning(
+                "dropping a sample longer than the learner trains",
+                extra={"trajectoryId": trajectory.trajectory_id, "tokens": length, "maxLength": max_length},
+            )
+            dropped["too_long"] += 1
+            continue
+        sample = _sample(key or group.group_id, trajectory)
         if not sample.loss_tokens:
             dropped["no_loss_tokens"] += 1
             continue
-        oldest = int(sample.policy_versions[sample.loss_mask].min())
-        if current_version - oldest > max_staleness:
+        versions = sample.policy_versions[sample.loss_mask]
+        if int(versions.max()) > current_version:
+            log.warning(
+                "dropping a sample of a policy version newer than the learner's",
+                extra={
+                    "trajectoryId": trajectory.trajectory_id,
+                    "version": int(versions.max()),
+                    "learnerVersion": current_version,
+                },
+            )
+            dropped["future_version"] += 1
+            continue
+        if current_version - int(versions.min()) > max_staleness:
             dropped["stale"] += 1
             continue
         samples.append(sample)

@@ -171,6 +171,13 @@ class LearnerSettings(ServiceSettings):
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget of one micro-batch (padded layout: rows x longest row)."
     )
+    max_sequence_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="Longest sample (prompt + response tokens) trained on; a longer one is dropped with a log "
+        "line (dropped/too_long), so one oversize trajectory cannot exhaust memory. Unset: the model's "
+        "max_position_embeddings.",
+    )
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer of the policy and the logprob head (log-softmax, the "

@@ -25,6 +25,7 @@ theirs, and the learner numbers on from there (the offset is checkpointed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from molt.core.errors import Unavailable, WrongState
-from molt.core.queue import TrajectoryQueue
+from molt.core.queue import QueueEntry, TrajectoryQueue
 from molt.learner import metrics as prom
 from molt.learner.batch import Sample, assemble, build_group
 from molt.learner.checkpoint import Checkpoints, RunState
@@ -47,19 +48,24 @@ from molt.learner.config import GROUP_ESTIMATORS, LearnerSettings
 from molt.learner.metrics import MetricsLog
 from molt.learner.ranks import SINGLE, RankInfo
 from molt.learner.refit import WeightPublisher, gather_for_refit
-from molt.learner.trainer import Trainer
+from molt.learner.trainer import StepRefused, Trainer
 
 log = logging.getLogger(__name__)
 
 OnStep = Callable[[int, nn.Module], None]
+MAX_REFUSED_IN_A_ROW = 3  # refused steps in a row that stop the learner (a fault of the learner, not of data)
 
 
 @dataclass
 class ReadyGroup:
     """A group read from the queue whose samples wait for the next step."""
 
-    entry_id: str
+    entry: QueueEntry
     samples: list[Sample]
+
+    @property
+    def entry_id(self) -> str:
+        return self.entry.entry_id
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class LearnerLoop:
         self._lock = threading.Lock()
         self._requests = _Requests()
         self._pending_reread = True
+        self.refused_in_a_row = 0  # steps the trainer refused since the last one it took
         self._finished = False  # set under the lock once run() can no longer serve requests
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -229,10 +236,12 @@ class LearnerLoop:
                 max_staleness=self.drop_after,
                 consumed=self.state.consumed,
                 needs_groups=needs_groups,
+                key=entry.entry_id,
+                max_length=self.trainer.max_length,
             )
             self._count_drops(outcome.dropped)
             if outcome.samples:
-                self.ready.append(ReadyGroup(entry.entry_id, outcome.samples))
+                self.ready.append(ReadyGroup(entry, outcome.samples))
             else:
                 self.settled.append(entry.entry_id)
                 self.queue.skip([entry.entry_id])  # the agent-pool starts another in its place (docs/queue.md)
@@ -272,7 +281,12 @@ class LearnerLoop:
             return
         batch = assemble(samples)
         self._broadcast(("step", batch))
-        step_metrics = {**self.trainer.train_step(batch), "wait_seconds": self.waited_s}
+        try:
+            step_metrics = {**self.trainer.train_step(batch), "wait_seconds": self.waited_s}
+        except StepRefused as exc:
+            self._refuse(groups, len(samples), exc)
+            return
+        self.refused_in_a_row = 0
         self.waited_s = 0.0
         step = self.trainer.step
         with self._lock:
@@ -296,6 +310,25 @@ class LearnerLoop:
                 self.on_step(step, self.trainer.model, version=self.trainer.policy_version)
         if step % self.settings.checkpoint_every == 0:
             self._checkpoint()
+
+    def _refuse(self, groups: list[ReadyGroup], count: int, exc: StepRefused) -> None:
+        """A step the trainer refused (a non-finite value; nothing applied): its groups go to the dead
+        letters with the reason, and the loop goes on, unless steps keep being refused."""
+        assert self.queue is not None
+        self.refused_in_a_row += 1
+        log.error(
+            "step refused, its groups moved to the dead letters: %s",
+            exc,
+            extra={"groupIds": [g.entry.group.group_id for g in groups], "entries": [g.entry_id for g in groups]},
+        )
+        self.queue.dead_letter([g.entry for g in groups], f"the learner refused the step: {exc}")
+        self._count_drops(Counter({"refused_step": count}))
+        if self.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+            raise WrongState(
+                f"{self.refused_in_a_row} steps in a row were refused (the last: {exc}); stopping rather than "
+                "dead-lettering every group",
+                reason="STEPS_REFUSED",
+            )
 
     def _publish_first(self) -> None:
         """The first refit after the start, before the first read (see the module docstring)."""
@@ -381,7 +414,8 @@ class LearnerLoop:
             dist.broadcast_object_list(box, src=0)
             command, payload = box[0]
             if command == "step":
-                self.trainer.train_step(payload)
+                with contextlib.suppress(StepRefused):  # refused on every rank alike; rank 0 reports it
+                    self.trainer.train_step(payload)
             elif command == "checkpoint":
                 self.checkpoints.save(self.trainer, payload)
             elif command == "refit":

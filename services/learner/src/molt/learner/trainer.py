@@ -148,6 +148,11 @@ class HostInputs:
     weights: Tensor  # [S] float64 aggregation weights (step_row_weights)
 
 
+class StepRefused(ValueError):
+    """A step whose inputs or gradients hold a non-finite value: nothing of it was applied (the
+    gradients are cleared), on every rank alike."""
+
+
 class Trainer:
     """Owns the policy, the reference model, the optimizer and the schedule of one rank."""
 
@@ -161,6 +166,8 @@ class Trainer:
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
         self.vocab_size = int(self.model.config.vocab_size)
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_length: int | None = settings.max_sequence_tokens or (int(positions) if positions else None)
         dtype = str(next(self.model.parameters()).dtype)
         log.info(
             "policy loaded",
@@ -328,8 +335,11 @@ class Trainer:
             dist.all_reduce(sums)
         norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
         lr = self.critic_scheduler.get_last_lr()[0]
-        self.critic_optimizer.step()
-        self.critic_scheduler.step()
+        if torch.isfinite(norm):  # the same on every rank (the gradients are summed over ranks)
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        else:  # the policy's step is applied already: skip the critic's alone, loudly
+            log.warning("critic update skipped: its gradient norm is not finite", extra={"norm": float(norm)})
         self.critic_optimizer.zero_grad(set_to_none=True)
         error, clipped, tokens = (float(v) for v in sums.cpu())
         mask = padded([s.loss_mask for s in samples]).bool()
@@ -385,35 +395,46 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        with deferred_checks():  # molt.algos' value checks: one sync after the last backward, not one per call
-            for index, rows in enumerate(my_plan[self.rank.rank]):
-                between = after_first_forward if index == 0 else None
-                if not rows:
-                    self._idle_backward(between)
-                    continue
-                with record_function("molt/forward"):
-                    logprobs, entropies = token_logprobs(
-                        self.model,
-                        self._micro(samples, rows),
-                        len(rows),
-                        temperature,
-                        entropy=entropy,
-                        entropy_grad=self.settings.algorithm.entropy_coef > 0,
-                        head=self.head,
-                    )
-                if between is not None:
-                    between()
-                with record_function("molt/loss"):
-                    loss, stats = loss_of(rows, logprobs, entropies)
-                with record_function("molt/backward"):
-                    loss.backward()
-                count = float(sum(samples[r].loss_tokens for r in rows))
-                total += loss.detach().double() / self.rank.world_size
-                tokens += count
-                for name, value in stats.items():
-                    zero = torch.zeros((), dtype=torch.float64, device=self.device)
-                    sums[name] = sums.get(name, zero) + value * count
-            norm = self._clip_gradients()
+        failure: str | None = None
+        try:
+            with deferred_checks():  # molt.algos' value checks: one sync after the last backward, not one per call
+                for index, rows in enumerate(my_plan[self.rank.rank]):
+                    between = after_first_forward if index == 0 else None
+                    if not rows:
+                        self._idle_backward(between)
+                        continue
+                    with record_function("molt/forward"):
+                        logprobs, entropies = token_logprobs(
+                            self.model,
+                            self._micro(samples, rows),
+                            len(rows),
+                            temperature,
+                            entropy=entropy,
+                            entropy_grad=self.settings.algorithm.entropy_coef > 0,
+                            head=self.head,
+                        )
+                    if between is not None:
+                        between()
+                    with record_function("molt/loss"):
+                        loss, stats = loss_of(rows, logprobs, entropies)
+                    with record_function("molt/backward"):
+                        loss.backward()
+                    count = float(sum(samples[r].loss_tokens for r in rows))
+                    total += loss.detach().double() / self.rank.world_size
+                    tokens += count
+                    for name, value in stats.items():
+                        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+                        sums[name] = sums.get(name, zero) + value * count
+                norm = self._clip_gradients()
+        except ValueError as exc:  # a bad value in this rank's share of the step (or in the step-wide inputs)
+            failure = str(exc)
+            norm = torch.full((), float("nan"))
+        refused = failure is not None
+        if self.rank.distributed:  # every rank learns whether any refused, so all of them skip the update alike
+            refused = float(self._sum_over_ranks(torch.tensor([float(refused)], device=self.device))[0]) > 0
+        if refused:
+            self.optimizer.zero_grad(set_to_none=True)  # nothing of the refused step may reach the next one
+            raise StepRefused(failure or "another rank refused a value of this step")
         names = sorted(sums)
         with record_function("molt/reduce"):  # after the checks' sync: the GPU has nothing left to run
             reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
@@ -455,6 +476,9 @@ class Trainer:
 
     @record_function("molt/optimizer")
     def _optimizer_step(self, grad_norm: Tensor) -> dict[str, float]:
+        if not torch.isfinite(grad_norm):  # the norm of every rank's gradients: the same on every rank
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepRefused(f"the gradient norm is {float(grad_norm)}: the step is not applied")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
