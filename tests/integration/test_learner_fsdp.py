@@ -10,9 +10,12 @@ tolerance, and so must the logged gradient norm and loss.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -213,3 +216,17 @@ def learner_step(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = learner_pb2_grpc.LearnerServiceStub(channel)
         return stub.GetLearnerStatus(learner_pb2.GetLearnerStatusRequest(), timeout=10).step
+
+
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank(tiny_model: Path, tmp_path: Path) -> None:
+    """A NaN in rank 1's share only: both ranks refuse the step (rank 0 with rank 1's word for it), clear
+    their gradients, and then take the same good step (equal weights on both)."""
+    out = tmp_path / "ranks.json"
+    script = Path(__file__).with_name("refused_step_ranks.py")
+    subprocess.run([sys.executable, str(script), str(tiny_model), str(out)], check=True, timeout=280)
+    first, second = json.loads(out.read_text())
+    assert "rollout_logprobs contains NaN" in second["refused"], second
+    assert first["refused"] == "another rank refused a value of this step", first
+    assert first["cleared"] and second["cleared"]
+    assert first["step"] == second["step"] == 1
+    assert first["weights"] == second["weights"] and math.isfinite(first["weights"])
