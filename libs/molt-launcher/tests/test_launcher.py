@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -16,9 +17,17 @@ from pathlib import Path
 import pytest
 
 from molt.core.errors import ConfigError
-from molt.core.processes import ChildProcess, RedisServer, is_running, session_members, start_ticks
+from molt.core.processes import (
+    ChildProcess,
+    RedisServer,
+    failure_cause,
+    is_running,
+    session_members,
+    start_ticks,
+)
+from molt.core.testing import free_port
 from molt.launcher.cli import main as molt_main
-from molt.launcher.plan import embedded_redis, plan_or_raise
+from molt.launcher.plan import embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import plot_rewards, summary
 from molt.launcher.recipe import apply_sets, load_recipe, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState, describe, down
@@ -237,3 +246,70 @@ def test_local_ray_head_starts_and_stops_without_leftovers(tmp_path: Path) -> No
     assert RunState.load(tmp_path).processes["ray"].pid == leader
     head.stop(timeout_s=30)
     assert session_members(leader) == []
+
+
+def test_preflight_names_what_this_machine_lacks(tiny_model: Path, tmp_path: Path) -> None:
+    """Missing model and data, a port in use and a Redis that does not answer are each named before
+    anything starts; a recipe that has all of it passes."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        sets = [
+            "launcher.build_tiny_model=false",
+            "launcher.sft_warmup=false",
+            f'router.engine.model_path="{tiny_model}"',
+            f'learner.model_path="{tmp_path / "typo"}"',
+            f'agent_pool.prompts_path="{tmp_path / "none.jsonl"}"',
+            f"router.listen='127.0.0.1:{port}'",
+            "learner.metrics_port=0",
+            "run.redis_url='redis://127.0.0.1:1/0'",
+        ]
+        problems = preflight(load_recipe(TINY, sets))
+    assert len(problems) == 4, problems
+    assert "learner.model_path" in problems[0] and "no config.json" in problems[0]
+    assert "agent_pool.prompts_path" in problems[1] and "does not exist" in problems[1]
+    assert f"router.listen: port {port} is in use" in problems[2]
+    assert "redis_url = 'redis://127.0.0.1:1/0' does not answer" in problems[3]
+    built = load_recipe(TINY, ["launcher.sft_warmup=false", f'learner.model_path="{tmp_path / "tiny"}"'])
+    (mismatch,) = [p for p in preflight(built) if "build_tiny_model" in p]
+    assert "router.engine.model_path = 'models/tiny'" in mismatch
+    ready = [f'{name}.model_path="{tiny_model}"' for name in ("learner", "router.engine")]
+    ports = [
+        f"{s}.{f}={v}"
+        for s in ("router", "learner", "agent_pool", "broadcaster")
+        for f, v in (("metrics_port", 0), ("listen", f"'127.0.0.1:{free_port()}'"))
+    ]
+    assert (
+        preflight(load_recipe(TINY, ["launcher.sft_warmup=false", "launcher.build_tiny_model=false", *ready, *ports]))
+        == []
+    )
+
+
+def test_failure_cause_picks_the_line_that_says_why(tmp_path: Path) -> None:
+    log = tmp_path / "learner.log"
+    info = json.dumps({"level": "info", "message": "policy loaded"})
+    error = json.dumps(
+        {
+            "level": "error",
+            "message": "learner rank 0 failed",
+            "exception": "Traceback...\n  x\nCheckpointError: step-3 is damaged",
+        }
+    )
+    log.write_text(f"{info}\n{error}\n{info}\n")
+    assert failure_cause(log) == "learner rank 0 failed: CheckpointError: step-3 is damaged"
+    log.write_text(
+        "Traceback (most recent call last):\n  File x\nOSError: Failed to bind to address 127.0.0.1:51151\nbye\n"
+    )
+    assert failure_cause(log) == "OSError: Failed to bind to address 127.0.0.1:51151"
+    log.write_text("")
+    assert failure_cause(log) == "" and failure_cause(tmp_path / "absent.log") == ""
+
+
+def test_a_torn_run_record_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "state.json").write_text('{"run_id": "x", "proc')
+    with pytest.raises(ConfigError, match=r"state.json is unreadable \(JSONDecodeError"):
+        RunState.load(tmp_path)
+    (tmp_path / "state.json").write_text('{"run_id": "x"}')
+    with pytest.raises(ConfigError, match=r"state.json is unreadable \(TypeError"):
+        RunState.load(tmp_path)

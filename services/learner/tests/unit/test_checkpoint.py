@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.learner.checkpoint import Checkpoints, RunState, is_complete
+from molt.learner.checkpoint import CheckpointError, Checkpoints, RunState, is_complete
 from molt.learner.config import LearnerSettings
 from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer
@@ -80,5 +80,65 @@ def test_only_complete_checkpoints_count_and_old_ones_are_pruned(
     assert not is_complete(broken)
     reopened = Checkpoints(root, keep=2)
     assert not list(root.glob(".tmp-*"))
+    # The damaged newest one is refused, not passed over: the steps it held would be lost unseen.
+    with pytest.raises(CheckpointError, match=r"step-00000005 is damaged: extra_state.pt missing.*step-00000003"):
+        reopened.newest()
+    broken.rename(tmp_path / "aside")
+    (root / "step-latest-copy").mkdir()  # not a checkpoint name: ignored, by newest() and by pruning
     assert reopened.newest() == root / "step-00000003"
     assert reopened.load(Trainer(learner_settings()), root / "step-00000003").step == 3
+    reopened.save(trainer, RunState(step=4, policy_version=4))
+    assert [p.name for p in reopened.complete()] == ["step-00000003", "step-00000004"]
+
+
+def test_damaged_checkpoints_are_refused_by_name_and_load_nothing(
+    learner_settings: SettingsFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each damage gets a CheckpointError naming the file, before anything reaches the trainer."""
+    settings = learner_settings()
+    trainer = Trainer(settings)
+    root = tmp_path / "ckpt"
+    checkpoints = Checkpoints(root, keep=3)
+    for step in (1, 2):
+        checkpoints.save(trainer, RunState(step=step, policy_version=step))
+    path = root / "step-00000002"
+    fresh = Trainer(settings)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+
+    def refused(match: str) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            Checkpoints(root, keep=3).load(fresh, path)
+        assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters(), strict=True))
+
+    good = {name: (path / name).read_bytes() for name in ("model.pt", "extra_state.pt", "state.json")}
+    (path / "model.pt").write_bytes(b"")
+    refused(r"model.pt is unreadable")
+    (path / "model.pt").write_bytes(good["model.pt"][: len(good["model.pt"]) // 2])
+    refused(r"model.pt is unreadable")
+    (path / "model.pt").write_bytes(good["model.pt"])
+    (path / "extra_state.pt").write_bytes(good["extra_state.pt"][:100])
+    refused(r"extra_state.pt is unreadable")
+    (path / "extra_state.pt").write_bytes(good["extra_state.pt"])
+    for text, match in (
+        ("{", r"state.json is unreadable"),
+        ('{"step": "2", "policy_version": 2, "consumed": {}, "dropped": {}}', r"step must be an integer"),
+        ('{"step": 2, "policy_version": 2, "consumed": [], "dropped": {}}', r"consumed must map"),
+        ('{"step": 7, "policy_version": 7, "consumed": {}, "dropped": {}}', r"holds step 7, its directory says 2"),
+    ):
+        (path / "state.json").write_text(text)
+        refused(match)
+    (path / "state.json").write_bytes(good["state.json"])
+    assert Checkpoints(root, keep=3).load(fresh, path).step == 2
+
+    for step in (1, 2):  # every checkpoint damaged: refused, never a silent start from step 0
+        (root / f"step-0000000{step}" / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match="no complete checkpoint is left"):
+        Checkpoints(root, keep=3).newest()
+    with pytest.raises(CheckpointError, match="not writable"):
+        Checkpoints(root / "latest" / "under-a-file", keep=3)
+
+    other = Trainer(learner_settings(optimizer={"lr": 5e-2}))
+    checkpoints.save(trainer, RunState(step=3, policy_version=3))
+    caplog.set_level("WARNING", logger="molt.learner.checkpoint")
+    checkpoints.load(other, root / "step-00000003")
+    assert any("learning rate differs" in r.getMessage() for r in caplog.records)

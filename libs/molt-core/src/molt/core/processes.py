@@ -12,8 +12,10 @@ and the launcher (``molt up``) both use these. Linux only (reads ``/proc``).
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -261,6 +263,32 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError as exc:
         return f"(unreadable: {exc})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def failure_cause(path: Path, lines: int = 80) -> str:
+    """The line of a service's log that most likely says why it failed: the last error-level log
+    record's message (with its ``error``/``reason`` field), else the last line of a traceback
+    (``SomeError: ...``), else the last line; "" when the log is empty or unreadable."""
+    tail = [line.strip() for line in log_tail(path, lines).splitlines() if line.strip()]
+    if not tail or tail[0].startswith("(unreadable"):
+        return ""
+    for line in reversed(tail):
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("level") in ("error", "critical"):
+                exception = str(record.get("exception") or "").strip().splitlines()
+                detail = record.get("error") or record.get("reason") or (exception[-1] if exception else "")
+                return f"{record.get('message', '')}{': ' + str(detail) if detail else ''}"[:500]
+    for line in reversed(tail):
+        if TRACEBACK_END.match(line):
+            return line[:500]
+    return tail[-1][:500]
+
+
+TRACEBACK_END = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 
 
 def wait_serving(address: str, service: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:

@@ -10,6 +10,7 @@ address; clients need ``RAY_ENV``).
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head of the session's own with 4 CPUs (``ray start --block``: stopping it stops the cluster)."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     log = tmp_path_factory.mktemp("ray") / "ray.log"
-    head, address, _ = start_ray_head(ray_cli, log, num_cpus=4, env=RAY_ENV, timeout_s=300)
+    head, address, temp_dir = start_ray_head(ray_cli, log, num_cpus=4, env=RAY_ENV, timeout_s=300)
     yield address
     head.stop(timeout_s=60)
+    shutil.rmtree(temp_dir, ignore_errors=True)

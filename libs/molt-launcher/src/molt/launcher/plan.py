@@ -24,10 +24,13 @@ disjoint ``CUDA_VISIBLE_DEVICES``.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
+import redis
+
 from molt.core.errors import ConfigError
-from molt.launcher.recipe import Recipe
+from molt.launcher.recipe import SERVICES, Recipe
 from molt.learner.config import unsound_settings
 
 
@@ -195,6 +198,57 @@ def check_recipe(recipe: Recipe) -> list[str]:
             f"ray_address to the running cluster (recipes/slurm/molt.sbatch starts one)"
         )
     return problems
+
+
+def preflight(recipe: Recipe) -> list[str]:
+    """What this machine lacks for the recipe, checked before anything starts (empty = ready): model
+    directories, data files, free listen and metrics ports, a reachable Redis. Each would otherwise
+    surface a minute later as one service's crash."""
+    problems: list[str] = []
+    launcher, learner, pool, router = recipe.launcher, recipe.learner, recipe.agent_pool, recipe.router
+    built = learner.model_path if launcher.build_tiny_model else None
+    sft = launcher.sft_warmup and learner.sft is not None  # then the engines serve the warm-up's output
+    models = [("learner.model_path", learner.model_path)]
+    if not sft:
+        models.append(("router.engine.model_path", router.engine.model_path))
+        if built is not None and router.engine.model_path.absolute() != built.absolute():
+            problems.append(
+                f"[launcher] build_tiny_model builds learner.model_path = {str(built)!r}, but "
+                f"router.engine.model_path = {str(router.engine.model_path)!r}: the engines would serve another "
+                "model; give both one path"
+            )
+    for name, path in models:
+        if path != built and not (path / "config.json").is_file():
+            problems.append(f"{name} = {str(path)!r} is not a model directory (no config.json)")
+    files = [("agent_pool.prompts_path", pool.prompts_path)]
+    if pool.eval.enabled and pool.eval.data_path is not None:
+        files.append(("agent_pool.eval.data_path", pool.eval.data_path))
+    if sft and learner.sft is not None:
+        files.append(("learner.sft.data_path", learner.sft.data_path))
+    problems += [f"{name} = {str(path)!r} does not exist" for name, path in files if not path.is_file()]
+    for name in SERVICES:
+        service = recipe.services[name]
+        for field, address in (("listen", service.listen), ("metrics_port", f"127.0.0.1:{service.metrics_port}")):
+            host, _, port = address.rpartition(":")
+            if port.isdigit() and int(port) and not _bindable(host.strip("[]") or "0.0.0.0", int(port)):
+                problems.append(f"{name}.{field}: port {port} is in use (another run, or another program)")
+    if not embedded_redis(recipe) and learner.run.redis_url:
+        try:
+            redis.Redis.from_url(learner.run.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
+        except redis.RedisError as exc:
+            problems.append(f"[run] redis_url = {learner.run.redis_url!r} does not answer: {exc}")
+    return problems
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def plan_or_raise(recipe: Recipe) -> Plan:

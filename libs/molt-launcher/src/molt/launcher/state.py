@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from molt.core.errors import ConfigError
 from molt.core.processes import health_status, is_running, kill_session, start_ticks
 
 STATE_FILE = "state.json"
@@ -75,9 +76,12 @@ class RunState:
         path = run_dir / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: no `molt up` has used this run directory")
-        data: dict[str, Any] = json.loads(path.read_text())
-        data["processes"] = {k: ProcessRecord(**v) for k, v in data.get("processes", {}).items()}
-        return cls(**data)
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+            data["processes"] = {k: ProcessRecord(**v) for k, v in data.get("processes", {}).items()}
+            return cls(**data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from exc
 
     def launcher_alive(self) -> bool:
         return is_running(self.launcher_pid, self.launcher_ticks)

@@ -28,11 +28,12 @@ from molt.core.errors import ConfigError
 from molt.core.processes import (
     ChildProcess,
     RedisServer,
+    failure_cause,
     start_ray_head,
     start_ticks,
     wait_serving,
 )
-from molt.launcher.plan import Plan, embedded_redis, plan_or_raise
+from molt.launcher.plan import Plan, embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import gather, plot_rewards, status_line, summary
 from molt.launcher.recipe import SERVICES, Recipe, connect_address, resolve_services, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState
@@ -112,7 +113,7 @@ class Launch:
         except Interrupted as exc:
             self.say(f"molt: {exc}; stopping the run")
             code = 130
-        except (RuntimeError, ConfigError) as exc:
+        except (RuntimeError, ConfigError, OSError) as exc:
             self.say(f"molt: {exc}")
             self.state.phase = "failed"
         finally:
@@ -242,7 +243,7 @@ class Launch:
         try:
             wait_serving(address, HEALTH_SERVICES[name], timeout_s, process)
         except RuntimeError as exc:
-            raise RuntimeError(f"{name} {exc}; see {child.log_path}") from exc
+            raise RuntimeError(f"{name} {exc}{_cause(child.log_path)}; see {child.log_path}") from exc
         self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
 
     def _monitor(self, started: float) -> int:
@@ -256,7 +257,8 @@ class Launch:
             if code is not None and code != 0 and restarts > 0:
                 restarts -= 1
                 self.say(
-                    f"molt: the learner exited with {code}; restarting it from its newest checkpoint "
+                    f"molt: the learner exited with {code}{_cause(self.children['learner'].log_path)}; restarting it "
+                    "from its newest checkpoint "
                     f"({restarts} restart(s) left; see {self.children['learner'].log_path})"
                 )
                 self.children["learner"].stop(timeout_s=10)  # what is left of its session (Ray-placed ranks)
@@ -266,11 +268,14 @@ class Launch:
                 assert learner is not None
                 continue
             if code is not None:
-                self.say(f"molt: the learner exited with {code}")
+                cause = _cause(self.children["learner"].log_path) if code else ""
+                self.say(f"molt: the learner exited with {code}{cause}")
                 return 0 if code == 0 else 1
             for name, child in self.children.items():
                 if child.process is not None and child.process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {child.process.returncode}; see {child.log_path}")
+                    raise RuntimeError(
+                        f"{name} exited with {child.process.returncode}{_cause(child.log_path)}; see {child.log_path}"
+                    )
             snap = gather(
                 self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
             )
@@ -280,7 +285,7 @@ class Launch:
     def _stop_all(self) -> None:
         """Stops every child, newest first; the agent-pool gets its longer grace (final evaluation)."""
         self.state.phase = "stopping" if self.state.phase != "failed" else "failed"
-        self.state.save()
+        self._save_state()
         launcher = self.recipe.launcher
         for name in reversed(list(self.children)):
             child = self.children[name]
@@ -294,15 +299,51 @@ class Launch:
             self.say("molt: stopping redis-server")
             self.redis.stop()
         self.state.phase = "stopped" if self.state.phase != "failed" else "failed"
-        self.state.save()
+        if self.state.ray_temp_dir and "ray" in self.children:
+            if self.state.phase == "failed":  # its session logs (engine workers' included) may say why
+                self.say(f"molt: Ray's session logs are kept under {self.state.ray_temp_dir}")
+            else:
+                shutil.rmtree(self.state.ray_temp_dir, ignore_errors=True)
+                self.state.ray_temp_dir = None
+        self._save_state()
+
+    def _save_state(self) -> None:
+        """While stopping: a run record that cannot be written must not keep the children running."""
+        try:
+            self.state.save()
+        except OSError as exc:
+            self.say(f"molt: could not record the run's state: {exc}")
+
+
+def _cause(log_path: Path) -> str:
+    """``: <the line of the log that says why>``, or "" when the log says nothing."""
+    cause = failure_cause(log_path)
+    return f": {cause}" if cause else ""
 
 
 def up(recipe: Recipe, run_dir: Path | None = None, out: TextIO = sys.stdout) -> int:
     """Validates ``recipe``, prints its plan and runs it in ``run_dir`` (default: its ``[run] run_dir``)."""
     plan = plan_or_raise(recipe)
     run_dir = (run_dir or recipe.learner.run.run_dir).absolute()
-    if (run_dir / "state.json").exists() and RunState.load(run_dir).launcher_alive():
-        raise ConfigError(f"a run is already active in {run_dir} (molt status / molt down)")
+    if (run_dir / "state.json").exists():
+        try:
+            active = RunState.load(run_dir).launcher_alive()
+        except ConfigError as exc:  # a torn record of an earlier run: this one writes a new one
+            out.write(f"molt: ignoring the earlier run's record: {exc.message}\n")
+            active = False
+        if active:
+            raise ConfigError(f"a run is already active in {run_dir} (molt status / molt down)")
+    missing = preflight(recipe)
+    if missing:
+        raise ConfigError(
+            f"recipe {recipe.path} cannot run on this machine:\n" + "\n".join(f"  - {p}" for p in missing)
+        )
     out.write(plan.render(f"plan for {recipe.path}:") + "\n")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".molt-write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"run directory {run_dir} is not writable: {exc}") from exc
     return Launch(recipe, plan, run_dir, out).run()

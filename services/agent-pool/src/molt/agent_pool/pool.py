@@ -52,16 +52,20 @@ class PromptSource:
     """Cycles through a JSONL prompt file, reshuffled (seeded) every epoch."""
 
     def __init__(self, path: Path, seed: int = 0) -> None:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if not lines:
-            raise InvalidInput(f"prompt file {path} is empty")
         self.prompts: list[Prompt] = []
-        for number, line in enumerate(lines, 1):
-            prompt = json.loads(line)
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line)
+            except ValueError as exc:
+                raise InvalidInput(f"{path}:{number} is not valid JSON: {exc}") from exc
             if not isinstance(prompt, dict):
                 raise InvalidInput(f"{path}:{number} is not a JSON object")
             prompt.setdefault("id", f"{path.stem}-{number}")
             self.prompts.append(prompt)
+        if not self.prompts:
+            raise InvalidInput(f"prompt file {path} is empty")
         self.rng = random.Random(seed)
         self.order: list[int] = []
 

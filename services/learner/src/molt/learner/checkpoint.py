@@ -9,20 +9,28 @@ counts), plus ``latest``, a text file naming the newest directory.
 
 Write order: every file into ``.tmp-step-.../``, each fsynced, then the directory
 renamed to its final name (atomic), the parent fsynced, then ``latest`` replaced
-the same way, then older checkpoints pruned. A directory with its final name is
-therefore complete; loading still checks that every file is present.
+the same way, then older checkpoints pruned (each renamed to ``.tmp-...`` before it
+is deleted). A directory with its final name is therefore complete, and one that
+is not was damaged after the fact: the learner then refuses to start (naming what
+is missing) rather than resume from an older checkpoint, or from scratch, and
+silently leave out the trajectories the lost steps trained on (their queue entries
+are acknowledged). A checkpoint whose files do not load, or whose ``state.json``
+does not hold what it should, is refused the same way, before anything is loaded
+into the trainer.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,8 +73,26 @@ class RunState:
 
     @classmethod
     def from_json(cls, text: str) -> RunState:
+        """Parses ``state.json``; ValueError naming the first field that is missing or of the wrong kind."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected an object, got {type(data).__name__}")
+        for name in ("step", "policy_version"):
+            if not _count(data.get(name)):
+                raise ValueError(f"{name} must be an integer >= 0, got {data.get(name)!r}")
+        for name in ("consumed", "dropped"):
+            value = data.get(name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) and _count(v) for k, v in value.items()):
+                raise ValueError(f"{name} must map strings to integers >= 0")
         return cls(data["step"], data["policy_version"], dict(data["consumed"]), dict(data["dropped"]))
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or must not be resumed from; the message says which and why."""
 
 
 def _fsync(path: Path) -> None:
@@ -81,8 +107,16 @@ def _step_of(path: Path) -> int:
     return int(path.name[len(PREFIX) :])
 
 
+def _is_checkpoint_name(name: str) -> bool:
+    return name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()
+
+
+def missing_files(path: Path) -> list[str]:
+    return [name for name in FILES if not (path / name).is_file()]
+
+
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and path.name.startswith(PREFIX) and all((path / name).is_file() for name in FILES)
+    return path.is_dir() and _is_checkpoint_name(path.name) and not missing_files(path)
 
 
 class Checkpoints:
@@ -94,20 +128,55 @@ class Checkpoints:
         self.keep = keep
         self.is_writer = is_writer
         if is_writer:
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(".tmp-*"):  # left by a crash mid-write; never loadable
-                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                for stale in root.glob(".tmp-*"):  # left by a crash mid-write (or mid-prune); never loadable
+                    shutil.rmtree(stale, ignore_errors=True)
+                probe = root / f".tmp-probe-{uuid.uuid4().hex[:8]}"
+                probe.write_bytes(b"")  # before the first step is trained, not after it
+                probe.unlink()
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint directory {root} is not writable: {exc}") from exc
+
+    def _directories(self) -> list[Path]:
+        """Every ``step-<n>`` directory, oldest first; anything else there is ignored (with a warning)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.glob(f"{PREFIX}*"):
+            if path.is_dir() and _is_checkpoint_name(path.name):
+                found.append(path)
+            else:
+                log.warning("not a checkpoint, ignored", extra={"path": str(path)})
+        return sorted(found, key=_step_of)
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        found = [p for p in self.root.glob(f"{PREFIX}*") if is_complete(p)] if self.root.is_dir() else []
-        return sorted(found, key=_step_of)
+        return [p for p in self._directories() if is_complete(p)]
 
     def newest(self) -> Path | None:
-        """The newest complete checkpoint. ``latest`` is written last, so a checkpoint renamed into place
-        just before a crash is newer than ``latest`` and complete: it is preferred."""
-        complete = self.complete()
-        return complete[-1] if complete else None
+        """The newest checkpoint, which must be complete: a damaged one (files missing) is refused with
+        CheckpointError rather than passed over for an older one (see the module docstring). Older
+        damaged ones are passed over with a warning. ``latest`` is written last, so a checkpoint renamed
+        into place just before a crash is newer than ``latest``; it is complete and preferred."""
+        directories = self._directories()
+        if not directories:
+            return None
+        newest = directories[-1]
+        if missing := missing_files(newest):
+            complete = [p for p in directories if is_complete(p)]
+            fallback = (
+                f"; to resume from {complete[-1].name} instead (the steps after it are retrained only if "
+                "their queue entries are still pending, which after a checkpoint they are not), move "
+                f"{newest.name} aside"
+                if complete
+                else "; no complete checkpoint is left: move the directory aside to start over"
+            )
+            raise CheckpointError(f"newest checkpoint {newest} is damaged: {', '.join(missing)} missing{fallback}")
+        for path in directories[:-1]:
+            if missing := missing_files(path):
+                log.warning("an older checkpoint is damaged, ignored", extra={"path": str(path), "missing": missing})
+        return newest
 
     def save(self, trainer: Trainer, state: RunState) -> Path:
         """Writes the checkpoint of ``state.step`` (collective); returns its directory."""
@@ -127,17 +196,25 @@ class Checkpoints:
                     "scheduler": trainer.critic_scheduler.state_dict(),
                 }
             tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            torch.save(model_state, tmp / "model.pt")
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-            torch.save(extra, tmp / "extra_state.pt")
-            (tmp / "state.json").write_text(state.to_json())
-            for name in FILES:
-                _fsync(tmp / name)
-            _fsync(tmp)
+            try:
+                tmp.mkdir()
+                torch.save(model_state, tmp / "model.pt")
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+                torch.save(extra, tmp / "extra_state.pt")
+                (tmp / "state.json").write_text(state.to_json())
+                for name in FILES:
+                    _fsync(tmp / name)
+                _fsync(tmp)
+            except (OSError, RuntimeError) as exc:  # torch reports a full disk as "unexpected pos ..."
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(
+                    f"could not write checkpoint {final.name} into {self.root} (is the disk full?): {exc}"
+                ) from exc
             if final.exists():  # left by an abandoned lineage (a manual restart from an older checkpoint)
                 log.warning("replacing an existing checkpoint", extra={"path": str(final)})
-                shutil.rmtree(final)
+                doomed = self.root / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+                final.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
             tmp.rename(final)
             _fsync(self.root)
             self._point_latest(final)
@@ -156,30 +233,64 @@ class Checkpoints:
 
     def _prune(self) -> None:
         for old in self.complete()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = self.root / f".tmp-pruned-{old.name}-{uuid.uuid4().hex[:8]}"
+            old.rename(doomed)  # a crash mid-delete leaves a .tmp- directory, never a damaged step-<n>
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def load(self, trainer: Trainer, path: Path) -> RunState:
-        """Restores model, optimizer, scheduler, RNG and step from ``path`` (collective)."""
-        if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (needs {', '.join(FILES)})")
-        model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-        set_model_state_dict(trainer.model, model_state, options=StateDictOptions(full_state_dict=True))
-        optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        """Restores model, optimizer, scheduler, RNG and step from ``path`` (collective). Every file is
+        read and checked before anything is loaded into the trainer: a damaged checkpoint raises
+        CheckpointError naming the file and leaves the trainer as it was."""
+        if missing := missing_files(path):
+            raise CheckpointError(f"{path} is not a complete checkpoint: {', '.join(missing)} missing")
+        try:
+            state = RunState.from_json((path / "state.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path / 'state.json'} is unreadable: {exc}") from exc
+        if state.step != _step_of(path):
+            raise CheckpointError(f"{path / 'state.json'} holds step {state.step}, its directory says {_step_of(path)}")
+        model_state, optimizer_state, extra = (
+            _read(path / name) for name in ("model.pt", "optimizer.pt", "extra_state.pt")
+        )
+        if trainer.critic is not None and "critic" not in extra:
+            raise CheckpointError(f"{path} holds no critic; it was not written by a gae run")
+        try:
+            set_model_state_dict(trainer.model, model_state, options=StateDictOptions(full_state_dict=True))
+        except RuntimeError as exc:  # another model's shapes or names
+            raise CheckpointError(
+                f"{path / 'model.pt'} does not fit the model {trainer.settings.model_path}: {exc}"
+            ) from exc
         set_optimizer_state_dict(
             trainer.model, trainer.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
         )
-        extra = torch.load(path / "extra_state.pt", map_location="cpu", weights_only=True)
         trainer.scheduler.load_state_dict(extra["scheduler"])
         if trainer.critic is not None:
-            if "critic" not in extra:
-                raise FileNotFoundError(f"{path} holds no critic; it was not written by a gae run")
             trainer.critic.load_state_dict(extra["critic"]["model"])
             trainer.critic_optimizer.load_state_dict(extra["critic"]["optimizer"])
             trainer.critic_scheduler.load_state_dict(extra["critic"]["scheduler"])
         torch.set_rng_state(extra["torch_rng"])
         random.setstate(extra["python_rng"])
-        state = RunState.from_json((path / "state.json").read_text())
+        _warn_if_lr_changed(trainer, path)
         trainer.step = state.step
         trainer.version_offset = state.policy_version - state.step
         log.info("resumed from checkpoint", extra={"step": state.step, "path": str(path)})
         return state
+
+
+def _read(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: torch's own messages do not name it
+        raise CheckpointError(f"{path} is unreadable ({type(exc).__name__}: {exc or 'empty or truncated'})") from exc
+
+
+def _warn_if_lr_changed(trainer: Trainer, path: Path) -> None:
+    """The schedule continues from the checkpoint's base learning rate: a recipe that changed ``lr``
+    since is not applied, which is said, not left to be found in the metrics."""
+    saved = trainer.scheduler.base_lrs[0] if trainer.scheduler.base_lrs else None
+    wanted = trainer.settings.optimizer.lr
+    if saved is not None and not math.isclose(saved, wanted, rel_tol=1e-9):
+        log.warning(
+            "the recipe's learning rate differs from the checkpoint's; the checkpoint's schedule continues",
+            extra={"checkpointLr": saved, "recipeLr": wanted, "path": str(path)},
+        )

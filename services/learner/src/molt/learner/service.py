@@ -113,6 +113,9 @@ def run_rank(
             on_loop(loop)
         asyncio.run(serve(settings, loop, handle_signals=on_loop is None))
         finish_together(info)
+    except Exception:
+        log.exception("learner rank %d failed", rank)  # one error line with the cause, for logs and `molt up`
+        raise
     finally:
         leave_group()
 
