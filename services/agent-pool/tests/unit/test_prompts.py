@@ -21,5 +21,5 @@ def test_a_malformed_line_is_named_by_its_file_and_line(tmp_path: Path) -> None:
     path.write_text("\n\n")
     with pytest.raises(InvalidInput, match="is empty"):
         PromptSource(path)
-    path.write_text('{"question": "1+1"}\n\n{"id": "mine", "question": "2+2"}\n')
-    assert [p["id"] for p in PromptSource(path).prompts] == ["prompts-1", "mine"]
+    path.write_text('{"question": "1+1"}\n\n{"id": "mine", "question": "2+2"}\n{"question": "3+3"}\n')
+    assert [p["id"] for p in PromptSource(path).prompts] == ["prompts-1", "mine", "prompts-3"]

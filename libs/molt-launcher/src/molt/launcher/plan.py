@@ -211,7 +211,7 @@ def preflight(recipe: Recipe) -> list[str]:
     models = [("learner.model_path", learner.model_path)]
     if not sft:
         models.append(("router.engine.model_path", router.engine.model_path))
-        if built is not None and router.engine.model_path.absolute() != built.absolute():
+        if built is not None and router.engine.model_path.resolve() != built.resolve():
             problems.append(
                 f"[launcher] build_tiny_model builds learner.model_path = {str(built)!r}, but "
                 f"router.engine.model_path = {str(router.engine.model_path)!r}: the engines would serve another "

@@ -110,6 +110,8 @@ class Launch:
             self._sft()
             self._start_services()
             code = self._monitor(started)
+            if code != 0:
+                self.state.phase = "failed"
         except Interrupted as exc:
             self.say(f"molt: {exc}; stopping the run")
             code = 130

@@ -62,7 +62,7 @@ class PromptSource:
                 raise InvalidInput(f"{path}:{number} is not valid JSON: {exc}") from exc
             if not isinstance(prompt, dict):
                 raise InvalidInput(f"{path}:{number} is not a JSON object")
-            prompt.setdefault("id", f"{path.stem}-{number}")
+            prompt.setdefault("id", f"{path.stem}-{len(self.prompts) + 1}")  # counts prompts, not blank lines
             self.prompts.append(prompt)
         if not self.prompts:
             raise InvalidInput(f"prompt file {path} is empty")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -148,6 +148,17 @@ class HostInputs:
     weights: Tensor  # [S] float64 aggregation weights (step_row_weights)
 
 
+def model_context(config: Any) -> int | None:
+    """The longest sequence the model's config allows: max_position_embeddings, times the RoPE scaling
+    factor where one is set (as vLLM derives its default max_model_len); None when the config says nothing."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions:
+        return None
+    scaling = getattr(config, "rope_scaling", None) or {}
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    return int(positions * factor) if isinstance(factor, int | float) and factor > 1 else int(positions)
+
+
 class StepRefused(ValueError):
     """A step whose inputs or gradients hold a non-finite value: nothing of it was applied (the
     gradients are cleared), on every rank alike."""
@@ -166,8 +177,7 @@ class Trainer:
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
         self.vocab_size = int(self.model.config.vocab_size)
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        self.max_length: int | None = settings.max_sequence_tokens or (int(positions) if positions else None)
+        self.max_length: int | None = settings.max_sequence_tokens or model_context(self.model.config)
         dtype = str(next(self.model.parameters()).dtype)
         log.info(
             "policy loaded",
@@ -433,8 +443,7 @@ class Trainer:
         if self.rank.distributed:  # every rank learns whether any refused, so all of them skip the update alike
             refused = float(self._sum_over_ranks(torch.tensor([float(refused)], device=self.device))[0]) > 0
         if refused:
-            self.optimizer.zero_grad(set_to_none=True)  # nothing of the refused step may reach the next one
-            raise StepRefused(failure or "another rank refused a value of this step")
+            self._refuse(failure or "another rank refused a value of this step")
         names = sorted(sums)
         with record_function("molt/reduce"):  # after the checks' sync: the GPU has nothing left to run
             reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
@@ -474,11 +483,14 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(params, self.settings.optimizer.max_grad_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def _refuse(self, reason: str) -> NoReturn:
+        self.optimizer.zero_grad(set_to_none=True)  # nothing of the refused step may reach the next one
+        raise StepRefused(reason)
+
     @record_function("molt/optimizer")
     def _optimizer_step(self, grad_norm: Tensor) -> dict[str, float]:
         if not torch.isfinite(grad_norm):  # the norm of every rank's gradients: the same on every rank
-            self.optimizer.zero_grad(set_to_none=True)
-            raise StepRefused(f"the gradient norm is {float(grad_norm)}: the step is not applied")
+            self._refuse(f"the gradient norm is {float(grad_norm)}: the step is not applied")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

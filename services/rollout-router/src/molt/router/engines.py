@@ -49,6 +49,13 @@ from molt.router.sampling import ModelLimits, Sampling
 log = logging.getLogger(__name__)
 
 
+ENGINE_CALL_TIMEOUT_S = 120.0  # an engine's pause or resume; one that never answers must not hold the router
+
+
+def _overtaken() -> WrongState:
+    return WrongState("a resume came before this pause reached the engines; not paused", reason="RESUMED_WHILE_PAUSING")
+
+
 @dataclass
 class InFlight:
     """A request routed to an engine."""
@@ -424,9 +431,7 @@ class EnginePool:
                 await self._drain(drain_timeout_s, overtaken)
             async with self._switch:  # the engines' pause and resume, one at a time
                 if overtaken.is_set():
-                    raise WrongState(
-                        "a resume came while this pause was under way; not paused", reason="RESUMED_WHILE_PAUSING"
-                    )
+                    raise _overtaken()
                 return await self._pause_engines(mode)
         finally:  # done, timed out, overtaken, or its caller gave up: admission reopens unless paused
             self.overtaken.discard(overtaken)
@@ -443,7 +448,7 @@ class EnginePool:
             idle.cancel()
             resumed.cancel()
         if overtaken.is_set():
-            raise WrongState("a resume came while this pause was draining; not paused", reason="RESUMED_WHILE_PAUSING")
+            raise _overtaken()
         if not done:
             raise TimedOut(
                 f"{len(self.in_flight)} requests still in flight after {timeout_s} s of draining",
@@ -460,9 +465,13 @@ class EnginePool:
         # whatever the outcome (a caller that gives up, an engine that fails): it reports what it may be,
         # keeps admission closed, and a resume recovers it.
         try:
-            await asyncio.shield(engines)
+            await asyncio.wait_for(asyncio.shield(engines), ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise TimedOut(
+                f"the engines did not pause within {ENGINE_CALL_TIMEOUT_S} s", reason="ENGINE_PAUSE_TIMEOUT"
+            ) from exc
         except asyncio.CancelledError:
-            await asyncio.wait({engines})
+            await asyncio.wait({engines}, timeout=ENGINE_CALL_TIMEOUT_S)
             raise
         finally:
             self.paused = True
@@ -483,14 +492,20 @@ class EnginePool:
         """Resumes the engines (under ``policy_version`` if given) and reopens admission; overtakes any
         pause that has not reached the engines yet."""
         self._check_resume(policy_version)
-        for overtaken in self.overtaken:
-            overtaken.set()
         async with self._switch:
             self._check_resume(policy_version)  # again: another resume may have run meanwhile
+            for overtaken in self.overtaken:  # only now: a resume refused or cancelled overtakes nothing
+                overtaken.set()
             if policy_version is not None:
                 self.policy_version = policy_version
             started = time.monotonic()
-            await asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
+            engines = asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
+            try:
+                await asyncio.wait_for(engines, ENGINE_CALL_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise TimedOut(
+                    f"the engines did not resume within {ENGINE_CALL_TIMEOUT_S} s", reason="ENGINE_RESUME_TIMEOUT"
+                ) from exc
             self.paused = False
             self.versions_differ = False
         self._settle_admission()
