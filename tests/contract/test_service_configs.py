@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,3 +77,19 @@ def test_bad_config_exits_2(service: Service, tmp_path: Path, capsys: pytest.Cap
         main([*service.recipe(tmp_path, "no_such_knob = 1"), "--dry-run"])
     assert info.value.code == 2
     assert "no_such_knob" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("service", SERVICES, ids=lambda s: s.section)
+def test_a_port_in_use_is_refused_before_the_service_starts(
+    service: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked first, so that a router does not start its engines (a minute) only to fail to listen."""
+    main = importlib.import_module(f"molt.{service.package}.__main__").main
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main([*service.recipe(tmp_path, ""), "--listen", f"127.0.0.1:{port}", "--metrics_port", "0"])
+    assert info.value.code == 1
+    assert f"listen: port {port} is in use" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from molt.core.config import S, dump_settings, environ_snapshot, load_settings
 from molt.core.errors import ConfigError
 from molt.core.log import setup_logging
+from molt.core.serve import ports_taken
 
 
 def start_service(cls: type[S], section: str, prog: str, argv: Sequence[str] | None = None) -> S | None:
@@ -24,4 +25,7 @@ def start_service(cls: type[S], section: str, prog: str, argv: Sequence[str] | N
         sys.stdout.write(dump_settings(settings) + "\n")
         return None
     setup_logging(prog, settings.run.run_id)
+    if taken := ports_taken(settings):
+        sys.stderr.write(f"{prog}: " + "; ".join(taken) + "\n")
+        raise SystemExit(1)
     return settings

@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -183,3 +184,31 @@ class ServiceHost:
         await self.stop()
         if on_stop is not None:
             await on_stop()
+
+
+def port_taken(address: str) -> bool:
+    """Whether ``host:port`` cannot be listened on now (port 0, any free one, never is)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not int(port):
+        return False
+    host = host.strip("[]") or "0.0.0.0"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return True
+    return False
+
+
+def ports_taken(settings: object) -> list[str]:
+    """``"listen: port 50051 is in use ..."`` for each of a service's ``listen`` and ``metrics_port`` that
+    another process holds: checked at start, before the slow part (a router's engines), not after it."""
+    taken = []
+    listen = getattr(settings, "listen", None)
+    if isinstance(listen, str) and port_taken(listen):
+        taken.append(f"listen: port {listen.rpartition(':')[2]} is in use (another run, or another program)")
+    metrics = getattr(settings, "metrics_port", None)
+    if isinstance(metrics, int) and port_taken(f"0.0.0.0:{metrics}"):
+        taken.append(f"metrics_port: port {metrics} is in use (another run, or another program)")
+    return taken

@@ -24,12 +24,12 @@ disjoint ``CUDA_VISIBLE_DEVICES``.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import redis
 
 from molt.core.errors import ConfigError
+from molt.core.serve import ports_taken
 from molt.launcher.recipe import SERVICES, Recipe
 from molt.learner.config import unsound_settings
 
@@ -227,28 +227,13 @@ def preflight(recipe: Recipe) -> list[str]:
         files.append(("learner.sft.data_path", learner.sft.data_path))
     problems += [f"{name} = {str(path)!r} does not exist" for name, path in files if not path.is_file()]
     for name in SERVICES:
-        service = recipe.services[name]
-        for field, address in (("listen", service.listen), ("metrics_port", f"127.0.0.1:{service.metrics_port}")):
-            host, _, port = address.rpartition(":")
-            if port.isdigit() and int(port) and not _bindable(host.strip("[]") or "0.0.0.0", int(port)):
-                problems.append(f"{name}.{field}: port {port} is in use (another run, or another program)")
+        problems += [f"{name}.{taken}" for taken in ports_taken(recipe.services[name])]
     if not embedded_redis(recipe) and learner.run.redis_url:
         try:
             redis.Redis.from_url(learner.run.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()
         except redis.RedisError as exc:
             problems.append(f"[run] redis_url = {learner.run.redis_url!r} does not answer: {exc}")
     return problems
-
-
-def _bindable(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind: TIME_WAIT is no obstacle
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def plan_or_raise(recipe: Recipe) -> Plan:
