@@ -131,3 +131,6 @@ def test_samples_of_a_future_version_or_too_long_are_dropped() -> None:
     )
     assert [s.trajectory_id for s in outcome.samples] == ["kept"]
     assert outcome.dropped == {"future_version": 1, "too_long": 1}
+    nan = make_group_of("g", [trajectory("a", [1], [2, 3]), trajectory("b", [1], [2, 3])])
+    nan.trajectories[1].rollout_logprobs[1] = float("-inf")
+    assert build(nan).dropped == {"invalid_logprob": 2}

@@ -2,7 +2,8 @@
 
 ``build_group`` turns one group into samples the moment it is read, and drops,
 counted by reason (``DropReason``), what must not be trained on: groups with a
-token id outside the model's vocabulary (checked once per group, vectorised),
+token id outside the model's vocabulary (checked once per group, vectorised) or
+a logprob that is not finite,
 samples older than ``max_staleness`` policy versions or sampled by a version
 newer than the learner's (no policy of this run made them), samples longer than
 the learner trains, trajectory ids already trained on, samples without a single
@@ -34,7 +35,14 @@ from molt.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 DropReason = Literal[
-    "invalid_token", "stale", "future_version", "too_long", "duplicate", "no_loss_tokens", "group_of_one"
+    "invalid_token",
+    "invalid_logprob",
+    "stale",
+    "future_version",
+    "too_long",
+    "duplicate",
+    "no_loss_tokens",
+    "group_of_one",
 ]  # the loop adds "refused_step": samples of a step the trainer refused (a non-finite value)
 
 
@@ -165,6 +173,14 @@ def build_group(
             dropped["stale"] += 1
             continue
         samples.append(sample)
+    bad = next((s for s in samples if not bool(torch.isfinite(s.rollout_logprobs).all())), None)
+    if bad is not None:  # a producer's bug: the whole group, as for an invalid token
+        log.warning(
+            "dropping a group with a logprob that is not finite",
+            extra={"groupId": group.group_id, "trajectoryId": bad.trajectory_id},
+        )
+        dropped["invalid_logprob"] += len(samples)
+        return GroupOutcome([], dropped)
     return GroupOutcome(samples, dropped)
 
 
