@@ -122,4 +122,7 @@ def load_agent(spec: str) -> type[Env] | type[ChatAgent]:
     cls = getattr(module, name, None)
     if not (inspect.isclass(cls) and issubclass(cls, (Env, ChatAgent))):
         raise ValueError(f"{spec!r} is not an Env or ChatAgent subclass")
+    if cls in (Env, ChatAgent) or inspect.isabstract(cls):
+        missing = sorted(getattr(cls, "__abstractmethods__", ())) or ["everything"]
+        raise ValueError(f"{spec!r} is abstract: it does not implement {', '.join(missing)}")
     return cls

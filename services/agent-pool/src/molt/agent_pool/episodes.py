@@ -47,13 +47,32 @@ class TurnLimits:
         return min(requested or self.max_tokens, room, self.max_tokens_cap or room)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _reward(value: object, where: str) -> float:
+    """A reward as the queue carries it (float32): a real, finite number, or TypeError/ValueError
+    naming what the agent returned (the episode then fails as "exception", logged)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{where} returned a reward of type {type(value).__name__}; it must be a number")
+    if not abs(value) <= FLOAT32_MAX:  # NaN fails this too
+        raise ValueError(f"{where} returned the reward {value!r}; it must be finite (and fit a float32)")
+    return float(value)
+
+
+def _messages(value: object, where: str) -> list[Message]:
+    if not isinstance(value, list | tuple) or not all(isinstance(m, dict) and "role" in m for m in value):
+        raise TypeError(f"{where} must give a list of messages (dicts with a 'role'), got {type(value).__name__}")
+    return list(value)
+
+
 async def run_env_episode(
     env: Env, prompt: Prompt, transcript: Transcript, router: RouterClient, limits: TurnLimits
 ) -> Episode:
     """Plays ``env`` on ``prompt`` through the router; the reward is the sum of the step rewards."""
     rollout_id = uuid.uuid4().hex
     started, wall = time.time(), time.monotonic()
-    messages: list[Message] = list(await maybe_await(env.reset(prompt)))
+    messages = _messages(await maybe_await(env.reset(prompt)), "reset()")
     reward, finish = 0.0, "length"
     for turn in range(env.max_turns):
         plan = transcript.plan(messages, env.tools)
@@ -67,11 +86,11 @@ async def run_env_episode(
         reply: Message = {"role": "assistant", "content": text}
         transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, reply)
         result = await maybe_await(env.step(text))
-        reward += float(result.reward)
+        reward += _reward(result.reward, "step()")
         if result.done:
             finish = sample.finish_reason or "stop"
             break
-        messages = [*messages, reply, *(result.observation or [])]
+        messages = [*messages, reply, *_messages(result.observation or [], "step()'s observation")]
     return Episode(
         rollout_id=rollout_id,
         segments=[s for s in transcript.segments if s.turns],
@@ -100,9 +119,9 @@ async def run_chat_episode(agent: ChatAgent, prompt: Prompt, front: ChatFront, b
     finally:
         front.close_session(session.id)
     if isinstance(result, AgentResult):
-        reward, components = float(result.reward), dict(result.reward_components)
+        reward, components = _reward(result.reward, "run()"), dict(result.reward_components)
     else:
-        reward, components = float(result), {}
+        reward, components = _reward(result, "run()"), {}
     return Episode(
         rollout_id=uuid.uuid4().hex,
         segments=[s for s in session.transcript.segments if s.turns],

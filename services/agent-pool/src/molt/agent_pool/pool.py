@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -34,8 +35,8 @@ from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
 from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode
-from molt.core.errors import InvalidInput, Unavailable
-from molt.core.queue import TrajectoryQueue
+from molt.core.errors import Backpressure, InvalidInput, Unavailable
+from molt.core.queue import PutResult, TrajectoryQueue
 from molt.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class PoolStats:
 
 
 VERSION_POLL_S = 0.05  # how often a pool held back by staleness asks for the policy version
+PUT_WAIT_S = 1.0  # one try of a put into a full queue (the pool says it is waiting, and can stop, between tries)
+RETRY_MAX_S = 10.0  # longest wait between tries when Redis does not answer
+FAILING_BACKOFF_MAX_S = 30.0  # longest pause before a group when every episode of the last ones failed
 
 
 class RolloutPool:
@@ -122,6 +126,7 @@ class RolloutPool:
         self.groups: set[asyncio.Task[None]] = set()
         self.producer: asyncio.Task[None] | None = None
         self.skipped_before: int | None = None  # the learner's skipped groups when this pool began
+        self.failing = 0  # groups in a row in which every episode failed (the producer backs off)
 
     @property
     def running(self) -> bool:
@@ -171,9 +176,11 @@ class RolloutPool:
                 "pacing from the run's current state",
                 extra={"policy_version": self.stats.start_version, "backlog_groups": self.stats.backlog_groups},
             )
-        while max_groups == 0 or self.stats.started_groups < max_groups:
+        first = self.stats.started_groups  # a later start counts its own groups
+        while max_groups == 0 or self.stats.started_groups - first < max_groups:
             await slots.acquire()
             await self._wait_for_learner()
+            await self._back_off()
             self.stats.started_groups += 1
             task = asyncio.create_task(self._group(self.prompts.next()))
             self.groups.add(task)
@@ -208,6 +215,21 @@ class RolloutPool:
         self.stats.backpressured = False
         metrics.BACKPRESSURED.set(0)
 
+    async def _back_off(self) -> None:
+        """When every episode of the last groups failed (a router down, an agent that always raises), waits
+        before the next group, doubling up to FAILING_BACKOFF_MAX_S: failing fast is counted and logged,
+        but thousands of failures a second would fill the logs and the CPU and say nothing new."""
+        if self.failing < self.settings.groups_in_flight:
+            return
+        delay = min(0.25 * 2 ** (self.failing // self.settings.groups_in_flight - 1), FAILING_BACKOFF_MAX_S)
+        log.warning(
+            "every episode of the last %d groups failed; waiting %.1f s before the next group",
+            self.failing,
+            delay,
+            extra={"failedEpisodes": dict(self.stats.failed_episodes)},
+        )
+        await asyncio.sleep(delay)
+
     async def _backlog(self) -> int:
         """Groups in the queue that no consumer has read yet (0 when Redis cannot say now)."""
         try:
@@ -231,6 +253,7 @@ class RolloutPool:
         try:
             results = await asyncio.gather(*(self._episode(prompt) for _ in range(self.settings.group_size)))
             episodes = [e for e in results if e is not None]
+            self.failing = 0 if episodes else self.failing + 1
             queued = await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
         finally:
             self.stats.unqueued_groups += not queued  # filtered, all duplicates, or failed: another starts
@@ -272,13 +295,44 @@ class RolloutPool:
             self._filtered("all_fail" if mean <= band.low else "all_pass", prompt)
             return False
         group = build_group(self.settings.run.run_id, str(prompt["id"]), episodes, self.settings, failed)
-        result = await asyncio.to_thread(self.queue.put, group)  # blocks while the queue is full
+        try:
+            result = await self._put(group)
+        except InvalidInput as exc:  # a bug of the pool's or the agent's: counted, logged, never silent
+            log.error("the queue refused a group: %s", exc.message, extra={"prompt_id": prompt.get("id")})
+            self._filtered("refused_by_queue", prompt)
+            return False
+        return self._count_queued(group, result)
+
+    def _count_queued(self, group: common_pb2.TrajectoryGroup, result: PutResult) -> bool:
         queued = len(group.trajectories) - len(result.duplicate_ids)
         self.stats.queued_groups += result.entry_id is not None
         self.stats.queued_trajectories += queued
         metrics.GROUPS_QUEUED.inc(result.entry_id is not None)
         metrics.TRAJECTORIES_QUEUED.inc(queued)
         return result.entry_id is not None
+
+    async def _put(self, group: common_pb2.TrajectoryGroup) -> PutResult:
+        """Queues ``group``, however long the queue stays full or Redis away (said in the log, and the
+        pool can be stopped meanwhile): a finished group is never dropped for want of room or a
+        connection. A stop that lands during a try waits for that try (at most PUT_WAIT_S), so a
+        group written after all is counted as queued."""
+        retry_s, waiting = 0.1, False
+        while True:
+            put = asyncio.ensure_future(asyncio.to_thread(self.queue.put, group, PUT_WAIT_S))
+            try:
+                return await asyncio.shield(put)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    self._count_queued(group, await put)
+                raise
+            except Backpressure:
+                if not waiting:
+                    log.warning("the trajectory queue is full: waiting for the learner to read")
+                    waiting = True
+            except RedisError as exc:
+                log.warning("cannot queue a group; trying again", extra={"error": str(exc), "retryS": retry_s})
+                await asyncio.sleep(retry_s)
+                retry_s = min(2 * retry_s, RETRY_MAX_S)
 
 
 async def attempt(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import grpc
 
 from molt.agent_pool.pool import RolloutPool
+from molt.core.errors import InvalidInput
 from molt.core.serve import grpc_errors
 from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc
 
@@ -24,6 +25,8 @@ class AgentPoolServicer(agent_pool_pb2_grpc.AgentPoolServiceServicer):
     async def StartRollouts(
         self, request: agent_pool_pb2.StartRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> agent_pool_pb2.StartRolloutsResponse:
+        if request.max_group_count < 0:
+            raise InvalidInput(f"max_group_count must be >= 0 (0: until stopped), got {request.max_group_count}")
         return agent_pool_pb2.StartRolloutsResponse(started=self.pool.start(request.max_group_count))
 
     @grpc_errors(DOMAIN)
