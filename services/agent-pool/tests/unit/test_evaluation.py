@@ -36,3 +36,23 @@ def test_enabled_eval_needs_data() -> None:
         EvalSettings(enabled=True)
     assert EvalSettings(enabled=True, data_path=Path("test.jsonl")).samples_per_prompt == 1
     assert not EvalSettings().enabled
+
+
+def test_a_pass_in_which_every_episode_failed_is_not_recorded_as_a_reward(tmp_path: Path) -> None:
+    """Nothing measured is not a reward of 0: the pass fails (logged), writes nothing, and the version
+    stays due."""
+    import asyncio
+
+    from molt.agent_pool.evaluation import Evaluator
+
+    data = tmp_path / "test.jsonl"
+    data.write_text('{"question": "1+1", "answer": 2}\n')
+
+    async def broken(prompt: dict) -> None:
+        raise RuntimeError("router down")
+
+    out = tmp_path / "eval.jsonl"
+    evaluator = Evaluator(EvalSettings(enabled=True, data_path=data), broken, lambda: 3, out, 5.0, 2)
+    with pytest.raises(RuntimeError, match="every one of the 1 evaluation episodes at version 3 failed"):
+        asyncio.run(evaluator.run_pass())
+    assert evaluator.results == [] and not out.exists() and evaluator.last_version is None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt, maybe_await
 from molt.agent_pool.router_client import GenerationRequest, RouterClient
 from molt.agent_pool.transcript import Segment, Transcript
+from molt.core.errors import Unavailable
 
 if TYPE_CHECKING:  # the front imports TurnLimits from here
     from molt.agent_pool.front import ChatFront
@@ -116,6 +117,10 @@ async def run_chat_episode(agent: ChatAgent, prompt: Prompt, front: ChatFront, b
     )
     try:
         result = await maybe_await(agent.run(client, prompt))
+    except (openai.APIStatusError, anthropic.APIStatusError) as exc:
+        if exc.status_code == 503:  # the front could not reach the router: counted as such, not as a bug
+            raise Unavailable(f"the front answered 503: {exc.message}", reason="ROUTER_UNAVAILABLE") from exc
+        raise
     finally:
         front.close_session(session.id)
     if isinstance(result, AgentResult):

@@ -101,7 +101,10 @@ class Evaluator:
             self.task.cancel()  # also cancels a pass of an older version still running
             await asyncio.gather(self.task, return_exceptions=True)
         if final and self.last_version != self.policy_version():
-            await self.run_pass()
+            try:
+                await self.run_pass()
+            except Exception:  # logged; the pool's shutdown goes on
+                log.exception("final evaluation pass failed")
 
     async def _loop(self) -> None:
         while True:
@@ -125,11 +128,13 @@ class Evaluator:
         finally:
             self.running_version = None
         episodes = [e for e in outcomes if e is not None]
+        if not episodes:  # not a reward of 0: nothing was measured (a router down, an agent bug)
+            raise RuntimeError(f"every one of the {len(outcomes)} evaluation episodes at version {version} failed")
         rewards = [e.reward for e in episodes]
         token_versions = [v for e in episodes for s in e.segments for v in s.versions]
         result = EvalResult(
             policy_version=version,
-            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+            mean_reward=sum(rewards) / len(rewards),
             episodes=len(episodes),
             failed=len(outcomes) - len(episodes),
             time=started,
