@@ -115,3 +115,24 @@ def test_rewards_and_messages_an_agent_returns_are_checked(tmp_path: Path) -> No
         load_agent(f"{agent}:Half")
     with pytest.raises(ValueError, match="is abstract"):
         load_agent("molt.agent_pool.agents:Env")
+
+
+def test_a_second_start_paces_from_the_queue_as_it_finds_it(
+    tmp_path: Path, tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    """Two groups queued and unread, then a second StartRollouts: the backlog counts them once (they are
+    not also this production's own started groups), so the next group's index is 2, not 4."""
+    settings = make_settings(tmp_path, tiny_model, groups_per_step=1, max_staleness=100)
+
+    async def main() -> tuple[int, int]:
+        queue = TrajectoryQueue(redis_client, RUN)
+        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), queue, lambda: 10**6)
+        pool.start(max_groups=2)
+        await asyncio.wait_for(pool.wait_idle(), 30)
+        redis_client.xgroup_create(queue.keys.stream, "learner", id="0", mkstream=True)
+        pool.start(max_groups=1)
+        await asyncio.wait_for(pool.wait_idle(), 30)
+        return pool.stats.backlog_groups, pool.trainable_index
+
+    backlog, index = asyncio.run(main())
+    assert backlog == 2 and index == 3  # the backlog, then the one group this production started

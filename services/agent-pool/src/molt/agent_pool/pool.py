@@ -127,6 +127,7 @@ class RolloutPool:
         self.producer: asyncio.Task[None] | None = None
         self.skipped_before: int | None = None  # the learner's skipped groups when this pool began
         self.failing = 0  # groups in a row in which every episode failed (the producer backs off)
+        self.counted_from = (0, 0)  # (started, unqueued) groups when the current production began
 
     @property
     def running(self) -> bool:
@@ -144,7 +145,8 @@ class RolloutPool:
         """The next group's place among the groups the learner can still train on, counted from this
         pool's start: the backlog it found in the queue comes first."""
         s = self.stats
-        return s.backlog_groups + s.started_groups - s.unqueued_groups - s.learner_skipped_groups
+        started, unqueued = s.started_groups - self.counted_from[0], s.unqueued_groups - self.counted_from[1]
+        return s.backlog_groups + started - unqueued - s.learner_skipped_groups
 
     async def stop(self, drain: bool) -> int:
         """Stops starting groups; waits for in-flight ones (drain) or cancels them. Returns abandoned episodes."""
@@ -170,7 +172,9 @@ class RolloutPool:
         # version 100 would start ~100 steps' worth of groups unpaced, most of them stale when trained.
         self.skipped_before = await self._learner_skipped()
         self.stats.start_version = self.policy_version()
-        self.stats.backlog_groups = await self._backlog()
+        self.stats.backlog_groups = await self._backlog()  # this pool's earlier groups not yet read included
+        self.stats.learner_skipped_groups = 0
+        self.counted_from = (self.stats.started_groups, self.stats.unqueued_groups)
         if self.stats.start_version or self.stats.backlog_groups:
             log.info(
                 "pacing from the run's current state",
