@@ -27,3 +27,13 @@ def test_a_failed_refit_holding_the_engines_is_named() -> None:
     assert "router paused (refit)" in plain and "ALERT" not in plain  # a refit in progress is no alarm
     # A failure the router no longer shows (it resumed meanwhile) is not an alert.
     assert "ALERT" not in status_line(Snapshot(max_steps=200, paused=False, refit_failure=failure), 60.0)
+
+
+def test_failed_episodes_and_dead_letters_alert_only_while_they_grow() -> None:
+    first = Snapshot(max_steps=200, failed_episodes=40, dead_letters=1)
+    assert "ALERT: 40 failed episodes; 1 dead letters" in status_line(first, 60.0)  # no line before: alert
+    growing = Snapshot(max_steps=200, failed_episodes=90, dead_letters=1)
+    line = status_line(growing, 70.0, first)
+    assert "ALERT: 90 failed episodes (+50 since the last line)" in line and "| 1 dead letters" in line
+    recovered = status_line(Snapshot(max_steps=200, failed_episodes=90, dead_letters=1), 80.0, growing)
+    assert "ALERT" not in recovered and "90 failed episodes" in recovered

@@ -128,8 +128,10 @@ def _num(value: float | int | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def status_line(snap: Snapshot, elapsed_s: float) -> str:
-    """One terminal line: step, versions, reward, throughput, queue, staleness, eval, alerts."""
+def status_line(snap: Snapshot, elapsed_s: float, previous: Snapshot | None = None) -> str:
+    """One terminal line: step, versions, reward, throughput, queue, staleness, eval, alerts. With the
+    ``previous`` line's snapshot, failed episodes and dead letters are an alert only while they grow
+    (the run's totals stay on the line, plainly, once the cause is gone)."""
     steps = f"{_num(snap.step, 'd')}/{snap.max_steps}" if snap.max_steps else _num(snap.step, "d")
     parts = [
         f"[{elapsed_s / 60:5.1f} min] step {steps}",
@@ -153,10 +155,18 @@ def status_line(snap: Snapshot, elapsed_s: float) -> str:
         alerts.append(f"engines paused by a failed refit ({snap.refit_failure}) until a refit validates")
     elif snap.paused:  # a refit in progress (one that fails or times out is reported above), not an alert
         parts.append("router paused (refit)")
-    if snap.failed_episodes:
-        alerts.append(f"{snap.failed_episodes} failed episodes")
-    if snap.dead_letters:
-        alerts.append(f"{snap.dead_letters} dead letters")
+    for total, before, what in (
+        (snap.failed_episodes, previous.failed_episodes if previous else None, "failed episodes"),
+        (snap.dead_letters, previous.dead_letters if previous else None, "dead letters"),
+    ):
+        if not total:
+            continue
+        if before is None:  # no earlier line to compare with (molt status)
+            alerts.append(f"{total} {what}")
+        elif total > before:
+            alerts.append(f"{total} {what} (+{total - before} since the last line)")
+        else:
+            parts.append(f"{total} {what}")
     if snap.learner_idle_s is not None and snap.learner_idle_s > 120:
         alerts.append(f"learner idle {snap.learner_idle_s:.0f} s")
     return " | ".join(parts) + (f" | ALERT: {'; '.join(alerts)}" if alerts else "")

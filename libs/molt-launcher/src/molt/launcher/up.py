@@ -34,7 +34,7 @@ from molt.core.processes import (
     wait_serving,
 )
 from molt.launcher.plan import Plan, embedded_redis, plan_or_raise, preflight
-from molt.launcher.progress import gather, plot_rewards, status_line, summary
+from molt.launcher.progress import Snapshot, gather, plot_rewards, status_line, summary
 from molt.launcher.recipe import SERVICES, Recipe, connect_address, resolve_services, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState
 from molt.v1 import agent_pool_pb2, learner_pb2, rollout_pb2, weights_pb2
@@ -252,6 +252,7 @@ class Launch:
         """Prints the status line until the learner exits (the run's end) or another service dies."""
         every = self.recipe.launcher.progress_every_s
         restarts = self.recipe.launcher.learner_restarts
+        previous: Snapshot | None = None
         learner = self.children["learner"].process
         assert learner is not None
         while True:
@@ -281,7 +282,8 @@ class Launch:
             snap = gather(
                 self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
             )
-            self.say(status_line(snap, time.monotonic() - started))
+            self.say(status_line(snap, time.monotonic() - started, previous))
+            previous = snap
             time.sleep(every)
 
     def _stop_all(self) -> None:

@@ -67,6 +67,15 @@ class RouterInfo:
     max_tokens_cap: int = 0  # the most max_tokens a request may ask for (0: not reported)
 
 
+# A router that restarts is reached again within seconds: gRPC's default reconnect backoff grows to 120 s,
+# and a pool that had failed a few calls then kept failing for ~20 s after the router was back.
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+
 def _to_error(exc: grpc.aio.AioRpcError) -> MoltError:
     info = error_info(exc)
     reason = info.reason if info else exc.code().name
@@ -81,7 +90,7 @@ class RouterClient:
     def __init__(self, address: str, timeout_s: float = 600.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=RECONNECT)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     async def close(self) -> None:
