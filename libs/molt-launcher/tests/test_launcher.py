@@ -313,3 +313,12 @@ def test_a_torn_run_record_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text('{"run_id": "x"}')
     with pytest.raises(ConfigError, match=r"state.json is unreadable \(TypeError"):
         RunState.load(tmp_path)
+
+
+def test_a_bad_launcher_setting_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(TINY, ["launcher.nodes='two'", "launcher.no_such_knob=1"])
+    lines = info.value.message.splitlines()
+    assert lines[0] == "invalid launcher settings:" and len(lines) == 3, lines
+    assert lines[1].startswith('  nodes = "two" (from recipe ') and "valid integer" in lines[1]
+    assert lines[2].startswith("  no_such_knob = 1 (from recipe ") and "Extra inputs" in lines[2]

@@ -98,7 +98,9 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _describe(error: Mapping[str, Any], layers: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+def describe_error(error: Mapping[str, Any], layers: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """``  key = value (from <layer>): message`` for one pydantic error: the layer is the first (highest
+    priority) of ``layers`` that holds the key."""
     loc = tuple(str(part) for part in error["loc"])
     key = ".".join(loc)
     origin = "defaults"
@@ -152,7 +154,7 @@ def load_settings(
     try:
         return cls(**merged), namespace
     except ValidationError as exc:
-        details = "\n".join(_describe(err, layers) for err in exc.errors())
+        details = "\n".join(describe_error(err, layers) for err in exc.errors())
         raise ConfigError(f"invalid {section} settings:\n{details}") from exc
 
 

@@ -20,11 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from molt.agent_pool.config import AgentPoolSettings
 from molt.broadcaster.config import BroadcasterSettings
-from molt.core.config import RECIPE_TABLES, ServiceSettings, environ_snapshot, load_settings, read_recipe
+from molt.core.config import (
+    RECIPE_TABLES,
+    ServiceSettings,
+    describe_error,
+    environ_snapshot,
+    load_settings,
+    read_recipe,
+)
 from molt.core.errors import ConfigError
 from molt.learner.config import LearnerSettings
 from molt.router.config import RouterSettings
@@ -164,8 +171,10 @@ def load_recipe(path: Path, assignments: Sequence[str] = ()) -> Recipe:
     tables = apply_sets(read_recipe(path), assignments)
     try:
         launcher = LauncherSettings(**tables.get("launcher", {}))
-    except ValueError as exc:
-        raise ConfigError(f"invalid launcher settings in {path}:\n{exc}") from exc
+    except ValidationError as exc:  # one line per bad key, as the services' settings say it
+        layers = [(f"recipe {path} [launcher] or --set", tables.get("launcher", {}))]
+        details = "\n".join(describe_error(err, layers) for err in exc.errors())
+        raise ConfigError(f"invalid launcher settings:\n{details}") from exc
     return Recipe(path, tables, launcher, resolve_services(tables))
 
 
