@@ -180,8 +180,7 @@ class RolloutPool:
                 "pacing from the run's current state",
                 extra={"policy_version": self.stats.start_version, "backlog_groups": self.stats.backlog_groups},
             )
-        first = self.stats.started_groups  # a later start counts its own groups
-        while max_groups == 0 or self.stats.started_groups - first < max_groups:
+        while max_groups == 0 or self.stats.started_groups - self.counted_from[0] < max_groups:  # its own groups
             await slots.acquire()
             await self._wait_for_learner()
             await self._back_off()

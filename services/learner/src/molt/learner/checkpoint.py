@@ -132,7 +132,7 @@ class Checkpoints:
                 root.mkdir(parents=True, exist_ok=True)
                 for stale in root.glob(".tmp-*"):  # left by a crash mid-write (or mid-prune); never loadable
                     shutil.rmtree(stale, ignore_errors=True)
-                probe = root / f".tmp-probe-{uuid.uuid4().hex[:8]}"
+                probe = self._scratch("probe")
                 probe.write_bytes(b"")  # before the first step is trained, not after it
                 probe.unlink()
             except OSError as exc:
@@ -195,7 +195,7 @@ class Checkpoints:
                     "optimizer": trainer.critic_optimizer.state_dict(),
                     "scheduler": trainer.critic_scheduler.state_dict(),
                 }
-            tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+            tmp = self._scratch(final.name)
             try:
                 tmp.mkdir()
                 torch.save(model_state, tmp / "model.pt")
@@ -212,9 +212,7 @@ class Checkpoints:
                 ) from exc
             if final.exists():  # left by an abandoned lineage (a manual restart from an older checkpoint)
                 log.warning("replacing an existing checkpoint", extra={"path": str(final)})
-                doomed = self.root / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-                final.rename(doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
+                self._remove(final)
             tmp.rename(final)
             _fsync(self.root)
             self._point_latest(final)
@@ -225,7 +223,7 @@ class Checkpoints:
         return final
 
     def _point_latest(self, target: Path) -> None:
-        tmp = self.root / f".tmp-{LATEST}-{uuid.uuid4().hex[:8]}"
+        tmp = self._scratch(LATEST)
         tmp.write_text(target.name + "\n")
         _fsync(tmp)
         tmp.replace(self.root / LATEST)
@@ -233,9 +231,18 @@ class Checkpoints:
 
     def _prune(self) -> None:
         for old in self.complete()[: -self.keep]:
-            doomed = self.root / f".tmp-pruned-{old.name}-{uuid.uuid4().hex[:8]}"
-            old.rename(doomed)  # a crash mid-delete leaves a .tmp- directory, never a damaged step-<n>
-            shutil.rmtree(doomed, ignore_errors=True)
+            self._remove(old)
+
+    def _scratch(self, name: str) -> Path:
+        """A fresh ``.tmp-`` path under the root: whatever is left there after a crash is cleared at start."""
+        return self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+
+    def _remove(self, checkpoint: Path) -> None:
+        """Deletes a checkpoint directory, renamed to a scratch path first: a crash mid-delete leaves a
+        ``.tmp-`` directory, never a damaged ``step-<n>``."""
+        doomed = self._scratch(f"removed-{checkpoint.name}")
+        checkpoint.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def load(self, trainer: Trainer, path: Path) -> RunState:
         """Restores model, optimizer, scheduler, RNG and step from ``path`` (collective). Every file is
