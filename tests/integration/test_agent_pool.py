@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from molt.agent_pool import metrics
 from molt.agent_pool.agents import Env, Message, Prompt, StepResult, load_agent
 from molt.agent_pool.config import AgentPoolSettings, EvalSettings
 from molt.agent_pool.episodes import TurnLimits
@@ -246,6 +248,16 @@ class Hangs(Raises):
         return StepResult(done=True)
 
 
+class Blocks(Raises):
+    """A plain step that blocks its thread until the test lets it go (a stuck subprocess, say)."""
+
+    release = threading.Event()
+
+    def step(self, action: str) -> StepResult:
+        self.release.wait()
+        return StepResult(done=True)
+
+
 def run_pool(cfg: AgentPoolSettings, env: type[Env], router: Any, client: redis.Redis, groups: int) -> RolloutPool:
     async def main() -> RolloutPool:
         tokenizer = AutoTokenizer.from_pretrained(router.model_path)
@@ -282,12 +294,18 @@ def test_multi_turn_tool_episode_is_one_token_exact_segment(
 def test_failing_agents_are_counted_and_never_queued(
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
+    # The first generations of a fresh router take about 2 s on 2 cores: no timeout before the raising step.
+    raising = run_pool(settings(tmp_path, router, redis_server.url, group_size=2), Raises, router, redis_client, 2)
     cfg = settings(tmp_path, router, redis_server.url, group_size=2, episode_timeout_s=2.0)
-    raising = run_pool(cfg, Raises, router, redis_client, groups=2)
     assert raising.stats.failed_episodes == {"exception": 4}
     hanging = run_pool(cfg, Hangs, router, redis_client, groups=1)
     assert hanging.stats.failed_episodes == {"timeout": 2}
-    for pool in (raising, hanging):
+    overrunning = metrics.AGENT_CALLS_OVERRUNNING._value.get()
+    blocked = run_pool(cfg, Blocks, router, redis_client, groups=1)  # its threads are given up, and counted
+    assert blocked.stats.failed_episodes == {"timeout": 2}
+    assert metrics.AGENT_CALLS_OVERRUNNING._value.get() == overrunning + 2
+    Blocks.release.set()
+    for pool in (raising, hanging, blocked):
         assert pool.stats.queued_groups == 0 and pool.stats.filtered_groups["no_episodes"] >= 1
     assert TrajectoryQueue(redis_client, RUN).stats().depth == 0
     # The pool still works after failures: a good agent on the same settings queues its group.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -358,6 +359,27 @@ class Compacting(ChatAgent):
         return AgentResult(reward=float(len(prompt["question"]) % 2))
 
 
+class ExistingBlockingAgent(ChatAgent):
+    """An agent that exists as blocking code: the sync SDKs, and a wait until every episode of its group is
+    running at once (which a plain ``run`` on the pool's event loop could never reach)."""
+
+    together = threading.Barrier(2, timeout=60)
+
+    def run(self, client: Any, prompt: Prompt) -> AgentResult:
+        assert isinstance(client, openai.OpenAI) and isinstance(self.anthropic, anthropic.Anthropic)
+        self.together.wait()
+        question = [{"role": "user", "content": f"{prompt['question']}="}]
+        reply = client.chat.completions.create(model="m", messages=question, max_tokens=4, logprobs=True)
+        answer = reply.choices[0].message.content or ""
+        again = self.anthropic.messages.create(
+            model="m",
+            max_tokens=4,
+            messages=[*question, {"role": "assistant", "content": answer}, {"role": "user", "content": "sure?"}],
+        )
+        assert again.usage.output_tokens >= 1
+        return AgentResult(reward=float(len(reply.choices[0].logprobs.content)))  # the first turn's sampled tokens
+
+
 def run_chat_pool(
     router: Any, redis_url: str, client: redis.Redis, agent: type[ChatAgent], groups: int, tmp_path: Path
 ) -> RolloutPool:
@@ -399,6 +421,13 @@ def test_sdk_agents_and_compaction_through_the_pool(
         (entry,) = queue.read(count=10)
         assert len(entry.group.trajectories) == 2 and all(t.loss_mask[0] for t in entry.group.trajectories)
         queue.ack([entry.entry_id])
+
+    pool = run_chat_pool(router, redis_server.url, redis_client, ExistingBlockingAgent, 1, tmp_path)
+    assert pool.stats.queued_groups == 1 and not pool.stats.failed_episodes
+    (entry,) = queue.read(count=10)
+    for trajectory in entry.group.trajectories:  # both turns of each episode, one segment, sampled tokens kept
+        assert trajectory.turn_count == 2 and sum(trajectory.loss_mask) > trajectory.reward >= 1
+    queue.ack([entry.entry_id])
 
     pool = run_chat_pool(router, redis_server.url, redis_client, Compacting, 1, tmp_path)
     (entry,) = queue.read(count=10)

@@ -10,8 +10,12 @@ Two shapes, chosen in the recipe by ``agent = "package.module:Class"`` or
   client (and an Anthropic-compatible one) pointed at molt's HTTP front, which
   records the exact sampled tokens; it returns the episode's reward.
 
-Both may be written with plain or ``async`` methods. One instance serves one
-episode (molt creates a fresh one per episode), so instance state is safe.
+Both may be written with plain or ``async`` methods. An ``async`` method runs on
+the pool's event loop; plain ones run on a thread of their own per episode (with
+the constructor), so a blocking call stalls only its episode. A plain
+``ChatAgent.run`` gets the SDKs' sync clients (``openai.OpenAI``). One instance
+serves one episode (molt creates a fresh one per episode), so instance state is
+safe; state shared across episodes must be thread-safe when methods are plain.
 
 Example::
 
@@ -34,11 +38,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ..., ["tool_calls"]}
 Prompt = dict[str, Any]  # one line of the prompt dataset (JSONL)
-T = TypeVar("T")
 
 
 @dataclass
@@ -86,19 +89,11 @@ class ChatAgent(ABC):
 
     @abstractmethod
     def run(self, client: Any, prompt: Prompt) -> AgentResult | float | Awaitable[AgentResult | float]:
-        """Runs one episode with ``client`` (an ``openai.AsyncOpenAI``) or ``self.anthropic``.
-
-        ``self.anthropic`` is an ``anthropic.AsyncAnthropic`` on the same episode.
-        """
+        """Runs one episode with ``client`` (an ``openai.AsyncOpenAI``) or ``self.anthropic`` (an
+        ``anthropic.AsyncAnthropic`` on the same episode). A plain ``def run`` runs on the episode's
+        thread and gets ``openai.OpenAI`` and ``anthropic.Anthropic`` instead."""
 
     anthropic: Any = None
-
-
-async def maybe_await(value: T | Awaitable[T]) -> T:
-    """Lets user methods be plain or ``async``."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
 
 
 def load_agent(spec: str) -> type[Env] | type[ChatAgent]:

@@ -6,18 +6,22 @@ when the conversation no longer fits the model's context (finish "length").
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt, maybe_await
+from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt
+from molt.agent_pool.calls import AgentThread, has_plain_methods
 from molt.agent_pool.router_client import GenerationRequest, RouterClient
 from molt.agent_pool.transcript import Segment, Transcript
 from molt.core.errors import Unavailable
 
 if TYPE_CHECKING:  # the front imports TurnLimits from here
     from molt.agent_pool.front import ChatFront
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -67,13 +71,29 @@ def _messages(value: object, where: str) -> list[Message]:
     return list(value)
 
 
+async def make_agent(cls: type[T], thread: AgentThread) -> T:
+    """A fresh agent for one episode, made on the episode's thread when the class has a plain method
+    (so its plain methods find what the constructor made on their own thread)."""
+    return await thread.call(cls) if has_plain_methods(cls) else cls()
+
+
 async def run_env_episode(
-    env: Env, prompt: Prompt, transcript: Transcript, router: RouterClient, limits: TurnLimits
+    env_cls: type[Env], prompt: Prompt, transcript: Transcript, router: RouterClient, limits: TurnLimits
 ) -> Episode:
-    """Plays ``env`` on ``prompt`` through the router; the reward is the sum of the step rewards."""
+    """Plays a fresh ``env_cls`` on ``prompt`` through the router; the reward is the sum of the step rewards."""
+    thread = AgentThread()
+    try:
+        return await _play(await make_agent(env_cls, thread), thread, prompt, transcript, router, limits)
+    finally:
+        thread.close()
+
+
+async def _play(
+    env: Env, thread: AgentThread, prompt: Prompt, transcript: Transcript, router: RouterClient, limits: TurnLimits
+) -> Episode:
     rollout_id = uuid.uuid4().hex
     started, wall = time.time(), time.monotonic()
-    messages = _messages(await maybe_await(env.reset(prompt)), "reset()")
+    messages = _messages(await thread.call(env.reset, prompt), "reset()")
     reward, finish = 0.0, "length"
     for turn in range(env.max_turns):
         plan = transcript.plan(messages, env.tools)
@@ -86,7 +106,7 @@ async def run_env_episode(
         text = transcript.reply_text(sample.token_ids)
         reply: Message = {"role": "assistant", "content": text}
         transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, reply)
-        result = await maybe_await(env.step(text))
+        result = await thread.call(env.step, text)
         reward += _reward(result.reward, "step()")
         if result.done:
             finish = sample.finish_reason or "stop"
@@ -102,27 +122,38 @@ async def run_env_episode(
     )
 
 
-async def run_chat_episode(agent: ChatAgent, prompt: Prompt, front: ChatFront, base_url: str) -> Episode:
-    """Runs the user's own loop against a fresh front session; the session's transcript is the episode."""
+async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: ChatFront, base_url: str) -> Episode:
+    """Runs the user's own loop against a fresh front session; the session's transcript is the episode.
+
+    An ``async def run`` gets ``openai.AsyncOpenAI`` and ``anthropic.AsyncAnthropic`` clients; a plain
+    ``def run`` runs on the episode's thread and gets ``openai.OpenAI`` and ``anthropic.Anthropic``.
+    """
     import anthropic  # the official SDKs: a ChatAgent gets real clients, not look-alikes
     import openai
 
+    thread = AgentThread()
     session = front.open_session()
     started, wall = time.time(), time.monotonic()
-    # Both SDK clients ride on the front's shared HTTP clients; closing those is the front's business.
-    openai_http, anthropic_http = front.sdk_http_clients()
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/s/{session.id}/v1", api_key=session.key, http_client=openai_http)
-    agent.anthropic = anthropic.AsyncAnthropic(
-        base_url=f"{base_url}/s/{session.id}", api_key=session.key, http_client=anthropic_http
+    # The SDK clients ride on the front's shared HTTP clients; closing those is the front's business.
+    blocking = not inspect.iscoroutinefunction(agent_cls.run)
+    openai_http, anthropic_http = front.sdk_http_clients(blocking)
+    openai_client, anthropic_client = (
+        (openai.OpenAI, anthropic.Anthropic) if blocking else (openai.AsyncOpenAI, anthropic.AsyncAnthropic)
     )
     try:
-        result = await maybe_await(agent.run(client, prompt))
+        agent = await make_agent(agent_cls, thread)
+        client = openai_client(base_url=f"{base_url}/s/{session.id}/v1", api_key=session.key, http_client=openai_http)
+        agent.anthropic = anthropic_client(
+            base_url=f"{base_url}/s/{session.id}", api_key=session.key, http_client=anthropic_http
+        )
+        result = await thread.call(agent.run, client, prompt)
     except (openai.APIStatusError, anthropic.APIStatusError) as exc:
         if exc.status_code == 503:  # the front could not reach the router: counted as such, not as a bug
             raise Unavailable(f"the front answered 503: {exc.message}", reason="ROUTER_UNAVAILABLE") from exc
         raise
     finally:
         front.close_session(session.id)
+        thread.close()
     if isinstance(result, AgentResult):
         reward, components = _reward(result.reward, "run()"), dict(result.reward_components)
     else:

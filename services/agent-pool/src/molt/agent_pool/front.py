@@ -156,27 +156,38 @@ class ChatFront:
         self.app = FastAPI(title="molt agent-pool front")
         self.app.post("/s/{session_id}/v1/chat/completions")(self.chat_completions)
         self.app.post("/s/{session_id}/v1/messages")(self.messages)
-        self._http: tuple[Any, Any] | None = None
+        self._http: dict[bool, tuple[Any, Any]] = {}
 
-    def sdk_http_clients(self) -> tuple[Any, Any]:
+    def sdk_http_clients(self, blocking: bool = False) -> tuple[Any, Any]:
         """The HTTP clients every episode's SDK clients share (``run_chat_episode``): openai's and
-        anthropic's, each of the kind its SDK needs. A fresh SDK client per episode would build its
-        own connection pool and TLS context (~0.1 s each, measured with bench/agent_pool.py). The
-        front is plain HTTP on loopback, so no certificates are loaded."""
-        if self._http is None:
+        anthropic's, each of the kind its SDK needs; ``blocking``: the sync ones, for agents whose
+        ``run`` is a plain method (httpx's sync client may be shared between threads). A fresh SDK
+        client per episode would build its own connection pool and TLS context (~0.1 s each,
+        measured with bench/agent_pool.py). The front is plain HTTP on loopback, so no
+        certificates are loaded."""
+        if blocking not in self._http:
             import anthropic  # the official SDKs, as the ChatAgents get them
             import openai
 
             options: dict[str, Any] = {"verify": False, "timeout": 600.0}
-            self._http = (openai.DefaultAsyncHttpxClient(**options), anthropic.DefaultAsyncHttpxClient(**options))
-        return self._http
+            if blocking:
+                self._http[blocking] = (openai.DefaultHttpxClient(**options), anthropic.DefaultHttpxClient(**options))
+            else:
+                self._http[blocking] = (
+                    openai.DefaultAsyncHttpxClient(**options),
+                    anthropic.DefaultAsyncHttpxClient(**options),
+                )
+        return self._http[blocking]
 
     async def aclose(self) -> None:
         """Closes the shared SDK HTTP clients (call once the front is no longer used)."""
-        if self._http is not None:
-            for client in self._http:
-                await client.aclose()
-            self._http = None
+        for blocking, clients in self._http.items():
+            for client in clients:
+                if blocking:
+                    client.close()
+                else:
+                    await client.aclose()
+        self._http.clear()
 
     def open_session(self) -> Session:
         session = Session(uuid.uuid4().hex, secrets.token_urlsafe(24), Transcript(self.tokenizer))

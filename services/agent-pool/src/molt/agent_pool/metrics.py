@@ -18,6 +18,11 @@ EPISODES_FAILED = Counter(
     ["purpose", "reason"],
 )
 EPISODES_IN_FLIGHT = Gauge("molt_agent_pool_episodes_in_flight", "Training episodes running now.")
+AGENT_CALLS_OVERRUNNING = Gauge(
+    "molt_agent_pool_agent_calls_overrunning",
+    "Agent code still running after its episode ended (timed out or stopped): a plain method in its thread, "
+    "or async code that ignored its cancellation.",
+)
 GROUPS_IN_FLIGHT = Gauge("molt_agent_pool_groups_in_flight", "Prompt groups running now.")
 GROUPS_QUEUED = Counter("molt_agent_pool_groups_queued_total", "Groups written to the trajectory queue.")
 TRAJECTORIES_QUEUED = Counter(

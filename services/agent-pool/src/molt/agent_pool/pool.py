@@ -33,6 +33,7 @@ from redis import RedisError
 
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
+from molt.agent_pool.calls import within
 from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode
 from molt.core.errors import Backpressure, InvalidInput, Unavailable
@@ -343,11 +344,12 @@ async def attempt(
 ) -> tuple[Episode | None, str | None]:
     """Runs one episode: ``(episode, None)``, or ``(None, reason)`` when it failed (logged, counted).
 
-    Cancellation is counted as "stopped" and re-raised.
+    Cancellation is counted as "stopped" and re-raised. Past ``timeout_s`` the episode is given up
+    at once, even when the agent ignores its cancellation (``calls.within``).
     """
     metrics.EPISODES_STARTED.labels(purpose).inc()
     try:
-        episode = await asyncio.wait_for(runner(prompt), timeout_s)
+        episode = await within(runner(prompt), timeout_s)
     except TimeoutError:
         return None, _failed("timeout", purpose, prompt, None)
     except asyncio.CancelledError:

@@ -121,14 +121,14 @@ class VersionWatch:
 
 def env_runner(env_cls: type[Env], tokenizer: object, router: RouterClient, limits: TurnLimits) -> EpisodeRunner:
     async def run(prompt: Prompt) -> Episode:
-        return await run_env_episode(env_cls(), prompt, Transcript(tokenizer), router, limits)
+        return await run_env_episode(env_cls, prompt, Transcript(tokenizer), router, limits)
 
     return run
 
 
 def chat_runner(agent_cls: type[ChatAgent], front: ChatFront, base_url: str) -> EpisodeRunner:
     async def run(prompt: Prompt) -> Episode:
-        return await run_chat_episode(agent_cls(), prompt, front, base_url)
+        return await run_chat_episode(agent_cls, prompt, front, base_url)
 
     return run
 

@@ -1,0 +1,194 @@
+"""How the pool calls an agent's code, and how it bounds an episode.
+
+- An ``async`` method runs on the pool's event loop.
+- A plain method runs on its episode's own thread: one per episode, made when the
+  agent class has a plain method (its constructor then runs there too), so the
+  episode's plain calls all run on one thread, one at a time. A method that blocks
+  (a subprocess, a sync HTTP client, ``time.sleep``) stalls only its own episode.
+  Episodes run side by side, so state shared across episodes (module globals)
+  must be thread-safe.
+- An episode past its timeout, or stopped, is given up at once. A plain call still
+  running then goes on in its thread (a thread cannot be stopped) and async code
+  that ignores its cancellation goes on as a task: both are counted in
+  ``molt_agent_pool_agent_calls_overrunning`` and logged, and neither holds its
+  group back. The threads are daemons, so a call that never returns does not keep
+  the process from exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from molt.agent_pool import metrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CANCEL_GRACE_S = 1.0  # how long a cancelled episode may take to unwind before it is left to run on
+AGENT_METHODS = ("reset", "step", "run")
+
+
+async def maybe_await(value: T | Awaitable[T]) -> T:
+    """Lets a plain method return an awaitable (it is awaited on the loop)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def has_plain_methods(cls: type) -> bool:
+    """Whether an agent class defines one of its methods as a plain function (it then gets a thread)."""
+    return any(
+        callable(method := getattr(cls, name, None)) and not inspect.iscoroutinefunction(method)
+        for name in AGENT_METHODS
+    )
+
+
+@dataclass
+class _Call:
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    started: float = 0.0
+    finished: bool = False
+    overrunning: bool = False
+
+
+class AgentThread:
+    """One episode's thread for its agent's plain methods; ``close()`` lets it end after its last call."""
+
+    def __init__(self, name: str = "molt-agent") -> None:
+        self.name = name
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``: awaited on the loop when it is a coroutine function, else run on the thread."""
+        if inspect.iscoroutinefunction(function):
+            return await function(*args)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        call = _Call(function, args, loop, loop.create_future())
+        self._calls.put(call)
+        try:
+            value = await call.future
+        except asyncio.CancelledError:
+            with call.lock:
+                if call.started and not call.finished:
+                    call.overrunning = True
+                    metrics.AGENT_CALLS_OVERRUNNING.inc()
+            if call.overrunning:
+                log.warning(
+                    "an episode ended while its agent's plain method still runs; its thread goes on until it returns",
+                    extra={"method": _name(function), "runningS": round(time.monotonic() - call.started, 3)},
+                )
+            raise
+        return await maybe_await(value)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._calls.put(None)
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            with call.lock:
+                if call.future.cancelled():  # given up before it started: never run
+                    continue
+                call.started = time.monotonic()
+            outcome: tuple[bool, Any]
+            try:
+                outcome = (True, call.function(*call.args))
+            except Exception as exc:
+                outcome = (False, exc)
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt: the episode fails, not the pool
+                outcome = (False, RuntimeError(f"the agent's {_name(call.function)} raised {exc!r}"))
+            with call.lock:
+                call.finished = True
+                overran = call.overrunning
+            if overran:
+                metrics.AGENT_CALLS_OVERRUNNING.dec()
+                log.warning(
+                    "an agent's plain method returned after its episode ended",
+                    extra={"method": _name(call.function), "runningS": round(time.monotonic() - call.started, 3)},
+                )
+                continue
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
+                call.loop.call_soon_threadsafe(_settle, call.future, outcome)
+
+
+def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if future.done():
+        return
+    ok, value = outcome
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", repr(function))
+
+
+_left_running: set[asyncio.Task[Any]] = set()  # tasks given up while they ignore cancellation (kept referenced)
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """Awaits ``awaitable`` for at most ``timeout_s`` (TimeoutError after it), and never longer.
+
+    Unlike ``asyncio.wait_for``, a task that ignores its cancellation is not waited for: it gets
+    ``CANCEL_GRACE_S`` to unwind, then it is left running (counted and logged) and the caller goes on.
+    The same holds when the caller is cancelled.
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        await _give_up(task)
+        raise
+    if not done:
+        await _give_up(task)
+        raise TimeoutError
+    return task.result()
+
+
+async def _give_up(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    try:
+        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    finally:
+        if not task.done():
+            _leave_running(task)
+        elif not task.cancelled():
+            task.exception()  # retrieved: past its timeout, its outcome is not used
+
+
+def _leave_running(task: asyncio.Task[Any]) -> None:
+    metrics.AGENT_CALLS_OVERRUNNING.inc()
+    _left_running.add(task)
+    started = time.monotonic()
+    log.warning("an episode ignored its cancellation for %.1f s; it is left running", CANCEL_GRACE_S)
+
+    def finished(task: asyncio.Task[Any]) -> None:
+        _left_running.discard(task)
+        metrics.AGENT_CALLS_OVERRUNNING.dec()
+        if not task.cancelled():
+            task.exception()  # retrieved: it was counted when given up
+        log.warning(
+            "an episode left running after its cancellation ended",
+            extra={"runningS": round(time.monotonic() - started + CANCEL_GRACE_S, 3)},
+        )
+
+    task.add_done_callback(finished)
