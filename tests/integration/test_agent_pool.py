@@ -16,7 +16,6 @@ import httpx
 import pytest
 import redis
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt.agent_pool import metrics
@@ -28,7 +27,7 @@ from molt.agent_pool.pool import PromptSource, RolloutPool
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.service import VersionWatch, env_runner
 from molt.core.queue import TrajectoryQueue
-from molt.core.testing import RedisServer, ServiceProcess, free_port
+from molt.core.testing import RedisServer, ServiceProcess, free_port, scrape
 from molt.learner.synthetic import named_group
 from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -94,16 +93,6 @@ def eval_prompts(tmp_path: Path, count: int) -> Path:
 
 def eval_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The agent-pool's metrics: (sample name, sorted labels) -> value."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_service_queues_token_exact_groups(

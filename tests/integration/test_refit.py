@@ -34,7 +34,7 @@ from molt.agent_pool.service import VersionWatch
 from molt.core.config import RunSettings
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import error_info
-from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port
+from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port, scrape
 from molt.core.tiny_model import build
 from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import LearnerSettings
@@ -70,7 +70,7 @@ def running_stack(
     model_b = build(workdir / "model-b", seed=1)
     redis_server = RedisServer(workdir / "redis")
     redis_server.start()
-    router_port, broadcaster_port = free_port(), free_port()
+    router_port, broadcaster_port, broadcaster_metrics = free_port(), free_port(), free_port()
     recipe = workdir / "recipe.toml"
     recipe.write_text(f"""
 [run]
@@ -91,7 +91,7 @@ engine_args = {{ enforce_eager = true }}
 
 [broadcaster]
 listen = "127.0.0.1:{broadcaster_port}"
-metrics_port = 0
+metrics_port = {broadcaster_metrics}
 router_address = "127.0.0.1:{router_port}"
 ray_address = "{ray_head}"
 probe_tolerance = 1e-3
@@ -129,6 +129,7 @@ join_timeout_s = 15
         "settings": settings,
         "redis": redis_server.url,
         "broadcaster_process": broadcaster,
+        "broadcaster_metrics": broadcaster_metrics,
     }
     broadcaster.stop()
     router.stop()
@@ -794,6 +795,8 @@ def test_bad_refit_requests_are_refused_before_anything_pauses(stack: dict[str, 
         ),
         "more than": weights_pb2.RefitWeightsRequest(learner_step=50, tensors=[*specs, huge]),
     }
+    rejected = ("molt_broadcaster_refits_total", (("outcome", "rejected"),))
+    rejected_before = scrape(stack["broadcaster_metrics"])[rejected]
     with grpc.insecure_channel(stack["broadcaster"]) as channel:
         stub = weights_pb2_grpc.WeightServiceStub(channel)
         for field, request in bad.items():
@@ -808,9 +811,43 @@ def test_bad_refit_requests_are_refused_before_anything_pauses(stack: dict[str, 
         with pytest.raises(grpc.RpcError) as unknown:
             stub.RegisterWeightEndpoint(alias, timeout=60)
         assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no engine" in unknown.value.details()
+    assert scrape(stack["broadcaster_metrics"])[rejected] == rejected_before + len(bad)  # counted, each of them
     current = broadcaster_status(stack["broadcaster"]).policy_version.version
     try:
         response = publisher.publish(current + 1, state, probe)
     finally:
         publisher.close()
     assert response.policy_version.version == current + 1
+
+
+def test_a_version_is_published_only_once_the_router_serves_it(stack: dict[str, Any]) -> None:
+    """The router moved ahead by hand after the broadcaster learned its version: a refit to a version
+    behind it loads, then the router refuses the resume (VERSION_REGRESSION). Before, that version had
+    been published already (GetPolicyVersion, the watchers, Redis) while the router served another.
+    Now nothing is published, the engines stay paused with the reason reported, and the next refit
+    at a version past the router's restores service."""
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state, probe = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    key = f"molt:{RUN_ID}:policy_version"
+    client = redis.Redis.from_url(stack["redis"])
+    try:
+        current = broadcaster_status(stack["broadcaster"]).policy_version.version + 1
+        publisher.publish(current, state, probe)  # the broadcaster has asked the router's version by now
+        with grpc.insecure_channel(stack["router"]) as channel:
+            router = rollout_pb2_grpc.RolloutServiceStub(channel)
+            router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=rollout_pb2.PAUSE_MODE_DRAIN), timeout=60)
+            router.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(policy_version=current + 10), timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            publisher.publish(current + 1, state, probe)
+        assert "older than the current" in refused.value.details()
+        status = broadcaster_status(stack["broadcaster"])
+        assert status.policy_version.version == current and "older than the current" in status.refit_failure
+        assert json.loads(client.get(key))["version"] == current
+        assert router_paused(stack["router"])
+        response = publisher.publish(current + 11, state, probe)
+    finally:
+        publisher.close()
+    assert response.policy_version.version == current + 11 and not router_paused(stack["router"])
+    assert json.loads(client.get(key))["version"] == current + 11
+    assert broadcaster_status(stack["broadcaster"]).refit_failure == ""
+    client.close()

@@ -29,8 +29,23 @@ __all__ = [
     "ray_head",
     "redis_client",
     "redis_server",
+    "scrape",
     "tiny_model",
 ]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A service's Prometheus metrics on ``port``: (sample name, sorted labels) -> value."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
 
 # `ray start` turns token auth on; clients send the token (~/.ray/auth_token) only in token mode.
 # Ray's `uv run` hook would start every worker through `uv run`; molt's share this interpreter.

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-REFITS = Counter("molt_broadcaster_refits_total", "Refits by outcome.", ["outcome"])
+REFITS = Counter(
+    "molt_broadcaster_refits_total",
+    "Refits by outcome: ok; rejected (before anything paused: bad input, no engine, router out of reach); "
+    "refused (validation failed, the old weights serve again); failed_paused; timeout; abandoned; error.",
+    ["outcome"],
+)
+OUTCOMES = ("ok", "rejected", "refused", "failed_paused", "timeout", "abandoned", "error")
 REFIT_SECONDS = Histogram(
     "molt_broadcaster_refit_seconds",
     "Wall time of a refit, pause to resume.",
@@ -12,3 +18,6 @@ REFIT_SECONDS = Histogram(
 )
 REFIT_BYTES = Counter("molt_broadcaster_refit_bytes_total", "Bytes moved by refits.")
 POLICY_VERSION = Gauge("molt_broadcaster_policy_version", "The newest published policy version.")
+
+for _outcome in OUTCOMES:  # exported at 0 from the start, so rate() and alerts see every series
+    REFITS.labels(outcome=_outcome)

@@ -23,9 +23,11 @@ One refit, for request id R (the learner's):
    refit (a restarted learner resumes from its checkpoint and sends one): it
    rewrites every weight, and only when it validates does the router resume;
    a refused one leaves the router paused, since the old weights are gone.
-5. Publish: version = the request's ``policy_version`` (default: the learner's
-   step); Redis key, WatchPolicyVersion streams; resume the router at that
-   version.
+5. Resume the router at the version: the request's ``policy_version``
+   (default: the learner's step). Only once the router accepts is the version
+   published (GetPolicyVersion, WatchPolicyVersion streams, then the Redis
+   key): a published version is one the router serves. A resume the router
+   refuses leaves the engines paused and the version unpublished.
 
 Versions only grow. The newest one is the published one or, before this
 process has published any, the router's (a restarted broadcaster in front of
@@ -59,6 +61,7 @@ from molt.core.weightsync import ABANDONED, TensorMeta, check_manifest, manifest
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 
 log = logging.getLogger(__name__)
+REDIS_TIMEOUT_S = 5.0  # the published version's key: read at start, written after each refit
 
 
 def version_key(run_id: str) -> str:
@@ -103,6 +106,19 @@ class Engine:
     actor: Any
     worker_count: int
     first_rank: int = 0
+
+
+@dataclass
+class Attempt:
+    """How far one refit got, which decides what a failure counts as in ``molt_broadcaster_refits_total``."""
+
+    paused: bool = False
+    resumed: bool = False
+
+    def failed(self) -> str:
+        if not self.paused:
+            return "rejected"  # nothing was paused: bad input, no engine, the router out of reach
+        return "refused" if self.resumed else "failed_paused"
 
 
 @dataclass
@@ -157,7 +173,7 @@ class Broadcaster:
             return
         key = version_key(self.settings.run.run_id)
         try:
-            raw = await asyncio.wait_for(self.redis.get(key), 5.0)
+            raw = await asyncio.wait_for(self.redis.get(key), REDIS_TIMEOUT_S)
             if raw is None:
                 return
             record = json.loads(raw)
@@ -229,7 +245,7 @@ class Broadcaster:
     async def discover_engines(self) -> int:
         """Registers every engine the router reports that is not registered yet; returns the router's
         vocabulary size."""
-        status = await self.router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
+        status = await self._router_status()
         for engine in status.engines:
             if engine.engine_id not in self.engines:
                 await self.register_engine(engine.engine_id, "")
@@ -265,16 +281,19 @@ class Broadcaster:
             cached = self.responses.get(request.request_id)
             if cached is not None:
                 return cached
-            metas = self._manifest(request)
-            if self.paused_by_failure:
-                # A full refit rewrites every weight: if it validates, the engines are consistent again.
-                log.warning(
-                    "refit over a failed one: the engines stay paused unless it validates",
-                    extra={"earlier_failure": self.paused_by_failure, "request_id": request.request_id},
-                )
-            version = await self._version_of(request)
+            attempt = Attempt()
             try:
-                response = await asyncio.wait_for(self._refit(request, metas, version), self.settings.refit_timeout_s)
+                metas = self._manifest(request)
+                if self.paused_by_failure:
+                    # A full refit rewrites every weight: if it validates, the engines are consistent again.
+                    log.warning(
+                        "refit over a failed one: the engines stay paused unless it validates",
+                        extra={"earlier_failure": self.paused_by_failure, "request_id": request.request_id},
+                    )
+                version = await self._version_of(request)
+                response = await asyncio.wait_for(
+                    self._refit(request, metas, version, attempt), self.settings.refit_timeout_s
+                )
             except TimeoutError as exc:
                 metrics.REFITS.labels(outcome="timeout").inc()
                 self.group.learner_joined = False  # the group may be mid-collective: rebuild it next time
@@ -291,9 +310,12 @@ class Broadcaster:
                     "deadline passed, or this broadcaster is stopping)",
                 )
                 raise
-            except MoltError:
-                raise  # counted and logged where it was raised
-            except Exception as exc:  # Ray, a worker, the router's RPCs, Redis
+            except MoltError as exc:
+                metrics.REFITS.labels(outcome=attempt.failed()).inc()
+                if not attempt.paused:  # the others are logged where they were raised
+                    log.warning("refit rejected before anything paused", extra={"reason": exc.message})
+                raise
+            except Exception as exc:  # Ray, a worker, the router's RPCs
                 metrics.REFITS.labels(outcome="error").inc()
                 self._unfinished(request.request_id, f"refit {request.request_id} failed: {type(exc).__name__}: {exc}")
                 raise
@@ -356,7 +378,11 @@ class Broadcaster:
         return metas
 
     async def _refit(
-        self, request: weights_pb2.RefitWeightsRequest, metas: list[TensorMeta], version_number: int
+        self,
+        request: weights_pb2.RefitWeightsRequest,
+        metas: list[TensorMeta],
+        version_number: int,
+        attempt: Attempt,
     ) -> weights_pb2.RefitWeightsResponse:
         assert self.store is not None
         clock = PhaseClock()
@@ -368,8 +394,8 @@ class Broadcaster:
             rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
         )
         await self.router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), timeout=600)
+        attempt.paused = True
         clock.lap("pause")
-        resumed = False
         running = False  # the probe resumes the engines; the router admits nothing new until its resume
         try:
             reports = await self._move(request, metas)
@@ -391,8 +417,7 @@ class Broadcaster:
                     if self.paused_by_failure:  # the previous weights are already gone
                         raise WrongState("refit refused, the engines stay paused: " + "; ".join(problems))
                     await self._resume(None)
-                    resumed = True
-                    metrics.REFITS.labels(outcome="refused").inc()
+                    attempt.resumed = True
                     raise WrongState("refit refused, the engines keep the previous weights: " + "; ".join(problems))
                 raise WrongState("refit loaded on some engines only: " + "; ".join(problems))
             if problems:
@@ -408,11 +433,11 @@ class Broadcaster:
                         f"probe: engine and learner logprobs differ by up to {worst:.3g} "
                         f"(> tolerance {self.settings.probe_tolerance})"
                     )
+            await self._resume(version_number)
+            attempt.resumed = True
+            clock.lap("resume")
             version = await self._publish(version_number, request.learner_step)
             clock.lap("publish")
-            await self._resume(version.version)
-            resumed = True
-            clock.lap("resume")
             if self.paused_by_failure:
                 log.info("engines consistent again after a failed refit", extra={"version": version.version})
                 self.paused_by_failure = None
@@ -433,17 +458,16 @@ class Broadcaster:
             )
             return weights_pb2.RefitWeightsResponse(policy_version=version, report=report)
         except MoltError as exc:
-            if running and not resumed:
+            if running and not attempt.resumed:
                 await self._pause_again()
-            if not resumed:
+            if not attempt.resumed:
                 self.paused_by_failure = exc.message
-                metrics.REFITS.labels(outcome="failed_paused").inc()
                 log.error("refit failed, engines stay paused", extra={"reason": exc.message})
             raise
-        except BaseException:  # cancelled: the learner's call ended, or the refit timed out (``refit`` says which)
-            if running and not resumed:
+        except BaseException:  # cancelled (the learner's call ended, or the refit timed out), or the router's RPCs
+            if running and not attempt.resumed:
                 await self._pause_again()
-            if not resumed:
+            if not attempt.resumed:
                 self.group.learner_joined = False
                 self.paused_by_failure = unfinished(request.request_id)
             raise
@@ -525,21 +549,27 @@ class Broadcaster:
             log.exception("could not pause the engines again after a failed refit")
 
     async def _publish(self, number: int, learner_step: int) -> common_pb2.PolicyVersion:
+        """Announces a version the router serves: here first (it cannot fail), then in Redis, where a
+        restarted broadcaster finds it to report; a failed write there is logged, not raised (the engines
+        already serve the version and the learner's refit succeeded)."""
         now = Timestamp()
         now.GetCurrentTime()
         version = common_pb2.PolicyVersion(version=number, learner_step=learner_step, publish_time=now)
-        if self.redis is not None:
-            await self.redis.set(
-                version_key(self.settings.run.run_id),
-                json.dumps(
-                    {"version": version.version, "learner_step": learner_step, "publish_time": now.ToJsonString()}
-                ),
-            )
         async with self.published.changed:
             self.published.version = version
             self.published.changed.notify_all()
         self.published_here = number
         metrics.POLICY_VERSION.set(version.version)
+        if self.redis is not None:
+            key = version_key(self.settings.run.run_id)
+            record = {"version": number, "learner_step": learner_step, "publish_time": now.ToJsonString()}
+            try:
+                await asyncio.wait_for(self.redis.set(key, json.dumps(record)), REDIS_TIMEOUT_S)
+            except (aioredis.RedisError, TimeoutError) as exc:
+                log.error(
+                    "published version not written to Redis (a restarted broadcaster will report an older one)",
+                    extra={"key": key, "version": number, "error": repr(exc)},
+                )
         return version
 
     async def _resume(self, version: int | None) -> None:
