@@ -315,10 +315,19 @@ def test_a_torn_run_record_is_a_clear_error(tmp_path: Path) -> None:
         RunState.load(tmp_path)
 
 
-def test_a_bad_launcher_setting_is_one_line_naming_the_key() -> None:
+def test_a_bad_setting_is_one_line_naming_the_key_and_where_it_came_from(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_recipe(TINY, ["launcher.nodes='two'", "launcher.no_such_knob=1"])
     lines = info.value.message.splitlines()
     assert lines[0] == "invalid launcher settings:" and len(lines) == 3, lines
-    assert lines[1].startswith('  nodes = "two" (from recipe ') and "valid integer" in lines[1]
-    assert lines[2].startswith("  no_such_knob = 1 (from recipe ") and "Extra inputs" in lines[2]
+    assert lines[1].startswith('  nodes = "two" (from --set): Input should be a valid integer'), lines
+    assert lines[2] == "  no_such_knob = 1 (from --set): Extra inputs are not permitted"
+    # A service's bad value names --set when it came from there (it used to name the recipe), the recipe else.
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(TINY.read_text().replace("[learner]", "[learner]\nrefit_bucket_bytes = -1", 1))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipe, ["learner.refit_timeout_s='fast'"])
+    lines = info.value.message.splitlines()
+    assert lines[0] == "invalid learner settings:" and len(lines) == 3, lines
+    assert any(line.startswith('  refit_timeout_s = "fast" (from --set): ') for line in lines)
+    assert any(line.startswith("  refit_bucket_bytes = -1 (from recipe [learner]): ") for line in lines)

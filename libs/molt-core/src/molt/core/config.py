@@ -121,11 +121,14 @@ def load_settings(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
     prog: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> tuple[S, argparse.Namespace]:
     """Builds ``cls`` from CLI > env (``MOLT_<SECTION>_``) > recipe ``[section]`` > defaults.
 
     Returns the settings and the parsed launcher flags (``config``, ``dry_run``).
     Raises ``ConfigError`` naming every bad key, its value and the layer it came from.
+    ``overrides``: the recipe tables ``molt up --set`` wrote into the recipe (already in it), so that
+    a bad value from them is reported as coming from ``--set``.
     """
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     parser.add_argument("--config", type=Path, help=f"TOML recipe; its [run] and [{section}] tables are read")
@@ -148,6 +151,11 @@ def load_settings(
     env = env_source()
 
     layers = [("command line", cli), ("environment", env), (f"recipe [{section}]", recipe)]
+    if overrides:
+        given = dict(overrides.get(section, {}))
+        if "run" in overrides:
+            given["run"] = overrides["run"]
+        layers.insert(2, ("--set", given))  # the same values as the recipe's: only what errors name changes
     merged: dict[str, Any] = {}
     for _, layer in reversed(layers):
         merged = _merge(merged, layer)

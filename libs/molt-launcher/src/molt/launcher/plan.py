@@ -30,7 +30,7 @@ import redis
 
 from molt.core.errors import ConfigError
 from molt.core.serve import ports_taken
-from molt.launcher.recipe import SERVICES, Recipe
+from molt.launcher.recipe import SERVICES, Recipe, is_model_dir
 from molt.learner.config import unsound_settings
 
 
@@ -218,7 +218,7 @@ def preflight(recipe: Recipe) -> list[str]:
                 "model; give both one path"
             )
     for name, path in models:
-        if path != built and not (path / "config.json").is_file():
+        if path != built and not is_model_dir(path):
             problems.append(f"{name} = {str(path)!r} is not a model directory (no config.json)")
     files = [("agent_pool.prompts_path", pool.prompts_path)]
     if pool.eval.enabled and pool.eval.data_path is not None:

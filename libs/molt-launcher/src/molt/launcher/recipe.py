@@ -153,15 +153,16 @@ def apply_sets(tables: Mapping[str, Any], assignments: Sequence[str]) -> dict[st
     return result
 
 
-def resolve_services(tables: Mapping[str, Any]) -> dict[str, ServiceSettings]:
+def resolve_services(tables: Mapping[str, Any], sets: Mapping[str, Any] | None = None) -> dict[str, ServiceSettings]:
     """Each service's settings from ``tables``, loaded exactly as ``molt-<svc> --config`` loads them
-    (environment included); a ``ConfigError`` names the service, key and value."""
+    (environment included); a ``ConfigError`` names the service, key, value and where it came from
+    (``sets``: the tables the ``--set`` assignments alone make)."""
     with tempfile.TemporaryDirectory(prefix="molt-recipe-") as tmp:
         path = Path(tmp) / "recipe.toml"
         path.write_text(to_toml(tables))
         environ = environ_snapshot()
         return {
-            section: load_settings(cls, section, ["--config", str(path)], environ, prog=script)[0]
+            section: load_settings(cls, section, ["--config", str(path)], environ, prog=script, overrides=sets)[0]
             for section, (cls, script) in SERVICES.items()
         }
 
@@ -169,13 +170,19 @@ def resolve_services(tables: Mapping[str, Any]) -> dict[str, ServiceSettings]:
 def load_recipe(path: Path, assignments: Sequence[str] = ()) -> Recipe:
     """Reads ``path``, applies ``--set`` assignments and resolves the launcher and service settings."""
     tables = apply_sets(read_recipe(path), assignments)
+    sets = apply_sets({}, assignments)
     try:
         launcher = LauncherSettings(**tables.get("launcher", {}))
     except ValidationError as exc:  # one line per bad key, as the services' settings say it
-        layers = [(f"recipe {path} [launcher] or --set", tables.get("launcher", {}))]
+        layers = [("--set", sets.get("launcher", {})), (f"recipe {path} [launcher]", tables.get("launcher", {}))]
         details = "\n".join(describe_error(err, layers) for err in exc.errors())
         raise ConfigError(f"invalid launcher settings:\n{details}") from exc
-    return Recipe(path, tables, launcher, resolve_services(tables))
+    return Recipe(path, tables, launcher, resolve_services(tables, sets))
+
+
+def is_model_dir(path: Path) -> bool:
+    """Whether ``path`` holds a model (a save_pretrained layout: its config.json)."""
+    return (path / "config.json").is_file()
 
 
 def connect_address(listen: str) -> str:

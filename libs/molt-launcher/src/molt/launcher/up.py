@@ -35,7 +35,7 @@ from molt.core.processes import (
 )
 from molt.launcher.plan import Plan, embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import Snapshot, gather, plot_rewards, status_line, summary
-from molt.launcher.recipe import SERVICES, Recipe, connect_address, resolve_services, to_toml, wire
+from molt.launcher.recipe import SERVICES, Recipe, connect_address, is_model_dir, resolve_services, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState
 from molt.v1 import agent_pool_pb2, learner_pb2, rollout_pb2, weights_pb2
 
@@ -134,7 +134,7 @@ class Launch:
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         self.state.save()
         model = self.recipe.learner.model_path
-        if self.recipe.launcher.build_tiny_model and not (model / "config.json").exists():
+        if self.recipe.launcher.build_tiny_model and not is_model_dir(model):
             from molt.core.tiny_model import build
 
             self.say(f"molt: building the tiny model at {model}")
@@ -200,7 +200,7 @@ class Launch:
         output = self.recipe.sft_output(self.run_dir)
         if output is None:
             return
-        if (output / "config.json").exists():
+        if is_model_dir(output):
             self.say(f"molt: SFT model already at {output}; skipping the warm-up (delete it to redo)")
             return
         self.state.phase = "sft"
