@@ -413,7 +413,11 @@ def test_sdk_agents_and_compaction_through_the_pool(
     tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     queue = TrajectoryQueue(redis_client, "front-test", consumer="check")
-    for spec in ("openai_agent.py:OpenAIArithmetic", "anthropic_agent.py:AnthropicArithmetic"):
+    for spec in (
+        "openai_agent.py:OpenAIArithmetic",
+        "anthropic_agent.py:AnthropicArithmetic",
+        "openai_sync_agent.py:BlockingOpenAIArithmetic",
+    ):
         agent = load_agent(f"{REPO}/recipes/agents/{spec}")
         assert issubclass(agent, ChatAgent)
         pool = run_chat_pool(router, redis_server.url, redis_client, agent, 1, tmp_path)
