@@ -173,8 +173,7 @@ def test_refit_moves_validates_and_publishes(stack: dict[str, Any]) -> None:
 
     completion = asyncio.run(sample(stack["router"], seed=3))
     assert set(completion.policy_versions) == {1}
-    stored = json.loads(redis.Redis.from_url(stack["redis"]).get(f"molt:{RUN_ID}:policy_version"))
-    assert stored["version"] == 1
+    assert stored_version(stack, until=1)["version"] == 1
 
     async def watch_first() -> int:
         async with grpc.aio.insecure_channel(stack["broadcaster"]) as channel:
@@ -226,6 +225,21 @@ def test_refused_refit_keeps_the_old_weights_serving(stack: dict[str, Any]) -> N
     response = publisher.publish(7, state_a, probe_a)
     assert response.policy_version.version == 7 and response.report.probe_max_abs_logprob_diff < 1e-3
     publisher.close()
+
+
+def stored_version(stack: dict[str, Any], until: int, within_s: float = 10.0) -> dict[str, Any]:
+    """The Redis record of the published version, read until it names ``until`` (the broadcaster writes it
+    in the background, just after it announces the version) or ``within_s`` passed."""
+    client = redis.Redis.from_url(stack["redis"])
+    deadline = time.monotonic() + within_s
+    try:
+        while True:
+            record: dict[str, Any] = json.loads(client.get(f"molt:{RUN_ID}:policy_version") or "{}")
+            if record.get("version") == until or time.monotonic() > deadline:
+                return record
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def router_paused(address: str) -> bool:
@@ -828,8 +842,6 @@ def test_a_version_is_published_only_once_the_router_serves_it(stack: dict[str, 
     at a version past the router's restores service."""
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     state, probe = gather_for_refit(load(stack["model_b"]), publisher.probe)
-    key = f"molt:{RUN_ID}:policy_version"
-    client = redis.Redis.from_url(stack["redis"])
     try:
         current = broadcaster_status(stack["broadcaster"]).policy_version.version + 1
         publisher.publish(current, state, probe)  # the broadcaster has asked the router's version by now
@@ -842,12 +854,34 @@ def test_a_version_is_published_only_once_the_router_serves_it(stack: dict[str, 
         assert "older than the current" in refused.value.details()
         status = broadcaster_status(stack["broadcaster"])
         assert status.policy_version.version == current and "older than the current" in status.refit_failure
-        assert json.loads(client.get(key))["version"] == current
+        assert stored_version(stack, until=current + 1, within_s=1.0)["version"] == current
         assert router_paused(stack["router"])
         response = publisher.publish(current + 11, state, probe)
     finally:
         publisher.close()
     assert response.policy_version.version == current + 11 and not router_paused(stack["router"])
-    assert json.loads(client.get(key))["version"] == current + 11
+    assert stored_version(stack, until=current + 11)["version"] == current + 11
     assert broadcaster_status(stack["broadcaster"]).refit_failure == ""
-    client.close()
+
+
+def test_a_redis_that_does_not_answer_holds_no_refit(stack: dict[str, Any]) -> None:
+    """Redis paused for writes (CLIENT PAUSE, a real server): the refit answers, served and published, while
+    the version key still holds the previous version; the key catches up once Redis answers again."""
+    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    state, probe = gather_for_refit(load(stack["model_b"]), publisher.probe)
+    client = redis.Redis.from_url(stack["redis"])
+    try:
+        current = broadcaster_status(stack["broadcaster"]).policy_version.version
+        assert stored_version(stack, until=current)["version"] == current
+        client.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+        try:
+            response = publisher.publish(current + 1, state, probe)
+            assert response.policy_version.version == current + 1
+            assert broadcaster_status(stack["broadcaster"]).policy_version.version == current + 1
+            assert json.loads(client.get(f"molt:{RUN_ID}:policy_version"))["version"] == current  # not written yet
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+        assert stored_version(stack, until=current + 1)["version"] == current + 1
+    finally:
+        publisher.close()
+        client.close()

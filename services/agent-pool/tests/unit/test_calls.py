@@ -89,6 +89,17 @@ def test_async_methods_stay_on_the_loop_and_errors_come_back_as_they_were() -> N
             await thread.call(broken, 1)
         with pytest.raises(RuntimeError, match="raised SystemExit"):  # an agent's exit fails its episode only
             await thread.call(exits)
+        with pytest.raises(RuntimeError, match="raised StopIteration"):  # a future refuses StopIteration itself
+            await asyncio.wait_for(thread.call(next, iter(())), 10)
+
+        async def later() -> int:
+            return 1
+
+        def plain_returning_a_coroutine() -> Any:
+            return later()
+
+        with pytest.raises(TypeError, match="declare it `async def`"):  # would run on the loop with sync clients
+            await thread.call(plain_returning_a_coroutine)
         thread.close()
         return message["content"], threading.get_ident()
 
@@ -147,6 +158,23 @@ def test_async_code_that_ignores_cancellation_does_not_hold_the_caller() -> None
         assert overrunning() == before + 1
         gate2.set()
         await asyncio.sleep(0.05)
+
+        # Cancelled again during the grace: the caller stops waiting at once, and code that does unwind
+        # within the grace is not counted as left running.
+        async def slow_to_unwind() -> None:
+            try:
+                await asyncio.sleep(60)
+            finally:
+                await asyncio.shield(asyncio.sleep(0.3))
+
+        task = asyncio.create_task(within(slow_to_unwind(), 0.05))
+        await asyncio.sleep(0.1)  # in the grace now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert overrunning() == before  # still in its grace: not counted (it was, at once)
+        await asyncio.sleep(1.2)
+        assert overrunning() == before
 
     asyncio.run(main())
     assert overrunning() == before

@@ -29,27 +29,19 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from molt.agent_pool import metrics
+from molt.agent_pool.agents import Env
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CANCEL_GRACE_S = 1.0  # how long a cancelled episode may take to unwind before it is left to run on
-AGENT_METHODS = ("reset", "step", "run")
-
-
-async def maybe_await(value: T | Awaitable[T]) -> T:
-    """Lets a plain method return an awaitable (it is awaited on the loop)."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
 
 
 def has_plain_methods(cls: type) -> bool:
-    """Whether an agent class defines one of its methods as a plain function (it then gets a thread)."""
-    return any(
-        callable(method := getattr(cls, name, None)) and not inspect.iscoroutinefunction(method)
-        for name in AGENT_METHODS
-    )
+    """Whether an agent class defines one of its methods (an Env's ``reset`` and ``step``, a ChatAgent's
+    ``run``) as a plain function: its episodes then get a thread, where its constructor runs too."""
+    names = ("reset", "step") if issubclass(cls, Env) else ("run",)
+    return any(not inspect.iscoroutinefunction(getattr(cls, name)) for name in names)
 
 
 @dataclass
@@ -95,7 +87,7 @@ class AgentThread:
                     extra={"method": _name(function), "runningS": round(time.monotonic() - call.started, 3)},
                 )
             raise
-        return await maybe_await(value)
+        return value
 
     def close(self) -> None:
         if self._thread is not None:
@@ -107,13 +99,7 @@ class AgentThread:
                 if call.future.cancelled():  # given up before it started: never run
                     continue
                 call.started = time.monotonic()
-            outcome: tuple[bool, Any]
-            try:
-                outcome = (True, call.function(*call.args))
-            except Exception as exc:
-                outcome = (False, exc)
-            except BaseException as exc:  # SystemExit, KeyboardInterrupt: the episode fails, not the pool
-                outcome = (False, RuntimeError(f"the agent's {_name(call.function)} raised {exc!r}"))
+            outcome = _outcome(call.function, call.args)
             with call.lock:
                 call.finished = True
                 overran = call.overrunning
@@ -126,6 +112,25 @@ class AgentThread:
                 continue
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
                 call.loop.call_soon_threadsafe(_settle, call.future, outcome)
+
+
+def _outcome(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
+    """``(True, result)`` or ``(False, exception)`` of a plain call, as an episode can take it."""
+    try:
+        result = function(*args)
+    except StopIteration:  # an asyncio future refuses it (the call would never settle)
+        return False, RuntimeError(f"the agent's {_name(function)} raised StopIteration")
+    except Exception as exc:
+        return False, exc
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: the episode fails, not the pool
+        return False, RuntimeError(f"the agent's {_name(function)} raised {exc!r}")
+    if inspect.isawaitable(result):  # on the loop it would run with the sync clients a plain method gets
+        if inspect.iscoroutine(result):
+            result.close()
+        return False, TypeError(
+            f"the agent's {_name(function)} is a plain method but returned an awaitable: declare it `async def`"
+        )
+    return True, result
 
 
 def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
@@ -165,14 +170,19 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
 
 
 async def _give_up(task: asyncio.Task[Any]) -> None:
+    """Cancels ``task`` and waits ``CANCEL_GRACE_S`` for it to end; the grace runs out in full even when
+    the caller is cancelled again meanwhile (it then stops waiting)."""
     task.cancel()
-    try:
-        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-    finally:
-        if not task.done():
-            _leave_running(task)
-        elif not task.cancelled():
-            task.exception()  # retrieved: past its timeout, its outcome is not used
+    grace = asyncio.ensure_future(asyncio.wait({task}, timeout=CANCEL_GRACE_S))
+    grace.add_done_callback(lambda _: _after_grace(task))
+    await asyncio.shield(grace)
+
+
+def _after_grace(task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        _leave_running(task)
+    elif not task.cancelled():
+        task.exception()  # retrieved: past its timeout, its outcome is not used
 
 
 def _leave_running(task: asyncio.Task[Any]) -> None:

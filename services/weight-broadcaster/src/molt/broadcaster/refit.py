@@ -132,8 +132,21 @@ class GroupState:
 
 @dataclass
 class Published:
+    """The published version; ``set`` never waits, so a refit cannot be cancelled half-published."""
+
     version: common_pb2.PolicyVersion = field(default_factory=common_pb2.PolicyVersion)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def set(self, version: common_pb2.PolicyVersion) -> None:
+        self.version = version
+        self._changed.set()  # wakes every waiter; later ones wait on a fresh event
+        self._changed = asyncio.Event()
+
+    async def newer_than(self, seen: int) -> common_pb2.PolicyVersion:
+        """The published version once it is not ``seen``."""
+        while self.version.version == seen:
+            await self._changed.wait()
+        return self.version
 
 
 class Broadcaster:
@@ -147,6 +160,7 @@ class Broadcaster:
         self.engines: dict[str, Engine] = {}
         self.group = GroupState()
         self.published = Published()
+        self._redis_write: asyncio.Task[None] | None = None  # the latest write of the published version
         self.lock = asyncio.Lock()
         self.responses: dict[str, weights_pb2.RefitWeightsResponse] = {}
         self.channel = grpc.aio.insecure_channel(settings.router_address)
@@ -182,12 +196,14 @@ class Broadcaster:
         except (aioredis.RedisError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             log.warning("could not restore the published policy version", extra={"key": key, "error": repr(exc)})
             return
-        self.published.version = version
+        self.published.set(version)
         metrics.POLICY_VERSION.set(version.version)
         log.info("published version restored from Redis", extra={"version": version.version})
 
     async def close(self) -> None:
         await self.channel.close()
+        if self._redis_write is not None:
+            await asyncio.wait({self._redis_write}, timeout=REDIS_TIMEOUT_S)
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -434,9 +450,10 @@ class Broadcaster:
                         f"(> tolerance {self.settings.probe_tolerance})"
                     )
             await self._resume(version_number)
+            # From here on nothing waits: a refit the router serves cannot be cancelled half-published.
             attempt.resumed = True
             clock.lap("resume")
-            version = await self._publish(version_number, request.learner_step)
+            version = self._publish(version_number, request.learner_step)
             clock.lap("publish")
             if self.paused_by_failure:
                 log.info("engines consistent again after a failed refit", extra={"version": version.version})
@@ -548,29 +565,34 @@ class Broadcaster:
         except Exception:
             log.exception("could not pause the engines again after a failed refit")
 
-    async def _publish(self, number: int, learner_step: int) -> common_pb2.PolicyVersion:
-        """Announces a version the router serves: here first (it cannot fail), then in Redis, where a
-        restarted broadcaster finds it to report; a failed write there is logged, not raised (the engines
-        already serve the version and the learner's refit succeeded)."""
+    def _publish(self, number: int, learner_step: int) -> common_pb2.PolicyVersion:
+        """Announces a version the router serves (GetPolicyVersion, the watchers), then writes it to Redis in
+        the background, where a restarted broadcaster finds it to report: a failed or slow write there is
+        logged, and holds nothing (the engines already serve the version)."""
         now = Timestamp()
         now.GetCurrentTime()
         version = common_pb2.PolicyVersion(version=number, learner_step=learner_step, publish_time=now)
-        async with self.published.changed:
-            self.published.version = version
-            self.published.changed.notify_all()
+        self.published.set(version)
         self.published_here = number
         metrics.POLICY_VERSION.set(version.version)
         if self.redis is not None:
-            key = version_key(self.settings.run.run_id)
             record = {"version": number, "learner_step": learner_step, "publish_time": now.ToJsonString()}
-            try:
-                await asyncio.wait_for(self.redis.set(key, json.dumps(record)), REDIS_TIMEOUT_S)
-            except (aioredis.RedisError, TimeoutError) as exc:
-                log.error(
-                    "published version not written to Redis (a restarted broadcaster will report an older one)",
-                    extra={"key": key, "version": number, "error": repr(exc)},
-                )
+            self._redis_write = asyncio.create_task(self._write_version(record, self._redis_write))
         return version
+
+    async def _write_version(self, record: dict[str, Any], before: asyncio.Task[None] | None) -> None:
+        """Writes ``record`` to the version key after the write ``before`` it (so the newest lands last)."""
+        assert self.redis is not None
+        if before is not None:
+            await asyncio.wait({before})
+        key = version_key(self.settings.run.run_id)
+        try:
+            await asyncio.wait_for(self.redis.set(key, json.dumps(record)), REDIS_TIMEOUT_S)
+        except (aioredis.RedisError, TimeoutError) as exc:
+            log.error(
+                "published version not written to Redis (a restarted broadcaster will report an older one)",
+                extra={"key": key, "version": record["version"], "error": repr(exc)},
+            )
 
     async def _resume(self, version: int | None) -> None:
         request = rollout_pb2.ResumeGenerationRequest()

@@ -58,8 +58,5 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         last = published.version
         yield weights_pb2.WatchPolicyVersionResponse(policy_version=last)
         while True:
-            async with published.changed:
-                seen = last.version
-                await published.changed.wait_for(lambda seen=seen: published.version.version != seen)
-                last = published.version
+            last = await published.newer_than(last.version)
             yield weights_pb2.WatchPolicyVersionResponse(policy_version=last)
