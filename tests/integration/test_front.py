@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anthropic
+import grpc
 import httpx
 import openai
 import pytest
@@ -27,6 +29,7 @@ from molt.agent_pool.service import chat_runner, start_front
 from molt.algos.advantages import grpo
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import RedisServer, free_port
+from molt.v1 import rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -295,6 +298,48 @@ def test_a_turn_still_running_when_its_episode_ends_is_not_recorded(router: Any)
                     await request
             assert session.transcript.segments == [], stream
             await client.close()
+
+    with_front(router, body)
+
+
+def test_a_client_that_gives_up_on_a_plain_turn_leaves_nothing_recorded(router: Any) -> None:
+    """A non-streamed turn whose client leaves (its own timeout) before the reply is ready: the front sees
+    the disconnect, aborts the generation at the router and records nothing; the session goes on. (Before,
+    the turn ran to its end and was recorded: a turn the agent never saw, trained on.)"""
+
+    async def body(front: ChatFront, base_url: str) -> None:
+        session = front.open_session()
+        headers = {"authorization": f"Bearer {session.key}"}
+        long_turn = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "count:"}],
+            "max_tokens": 384,  # the test router's max_tokens_cap
+            "n": 4,
+            "seed": 9,
+        }
+        async with httpx.AsyncClient(base_url=f"{base_url}/s/{session.id}/v1", headers=headers) as http:
+            request = asyncio.create_task(http.post("/chat/completions", json=long_turn, timeout=60))
+            while session.turns == 0:  # planned and sent to the router
+                await asyncio.sleep(0.001)
+            request.cancel()  # the client gives up: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            started = time.monotonic()
+            while session.lock.locked():  # the front's handler is still at it
+                await asyncio.sleep(0.01)
+            left_after = time.monotonic() - started
+        assert session.transcript.segments == [], f"recorded a turn its client left ({left_after:.2f} s after)"
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            status = await rollout_pb2_grpc.RolloutServiceStub(channel).GetRouterStatus(
+                rollout_pb2.GetRouterStatusRequest(), timeout=30
+            )
+        assert status.in_flight_request_count == 0  # aborted at the router, not left to run
+        client = openai_client(base_url, session)  # the session goes on
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None and len(session.transcript.segments) == 1
+        await client.close()
 
     with_front(router, body)
 

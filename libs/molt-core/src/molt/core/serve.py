@@ -53,6 +53,26 @@ STATUS_CODES: dict[type[MoltError], int] = {
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# A peer that stops answering without closing its connection (a frozen process, a host gone without a
+# reset) is found by HTTP/2 pings within ~15 s; without them a call waits for its deadline (600 s for a
+# generation), and a stream for ever. Pings go only while calls are open, also when no data flows (a
+# long unary call). grpc 1.85 times a ping out after ping_timeout_ms (default 60 s), not after
+# keepalive_timeout_ms alone: both are set. Every molt server accepts pings this frequent
+# (KEEPALIVE_SERVER): gRPC documents a server default that counts pings under 5 minutes apart without
+# data as abuse. (grpc 1.85 did not cut a 32 s quiet call without it; it is kept for other versions
+# and other clients.)
+KEEPALIVE_PING_S = 10
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_PING_S * 1000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+KEEPALIVE_SERVER = [
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_PING_S * 1000 // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
 
 def _status_for(error: MoltError, domain: str) -> grpc.Status:
     code = next((c for cls, c in STATUS_CODES.items() if isinstance(error, cls)), code_pb2.INTERNAL)
@@ -145,6 +165,7 @@ class ServiceHost:
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
+            *KEEPALIVE_SERVER,
         ]
         self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()

@@ -25,9 +25,9 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +45,17 @@ CACHE_SIZE = 8
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 INT64 = 1 << 63
 Chunks = AsyncGenerator[tuple[int, Any], None]  # (sample index, chunk) as the router streams them
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.5  # how often a turn still generating asks whether its client is still there
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a streamed turn records once every event of it has gone out (its events generator yields it)."""
+
+    plan: TurnPlan
+    sample: Sample
+    reply: fmt.ParsedReply
 
 
 class Unauthorized(MoltError):
@@ -397,7 +408,7 @@ class ChatFront:
         created: int,
         cid: str,
         body: dict[str, Any],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | Commit]:
         sample = Sample()
         covered = 0  # tokens whose logprobs went out (with the text they make up)
 
@@ -416,7 +427,7 @@ class ChatFront:
         async for delta, upto in self._stream_text(session, chunks, sample, live=not turn.tools):
             yield chunk({"content": delta}, upto=upto)
         reply = self._reply(session, turn, sample)
-        self._commit(session, plan, sample, reply)
+        yield Commit(plan, sample, reply)
         final = fmt.openai_response(
             cid, model, [(reply, sample.finish_reason, None)], len(plan.prompt_ids), len(sample.token_ids), created
         )
@@ -489,7 +500,7 @@ class ChatFront:
 
     async def _anthropic_events(
         self, session: Session, turn: Turn, plan: TurnPlan, chunks: Chunks, model: str, mid: str
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[str | Commit]:
         def event(kind: str, **data: Any) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}"
 
@@ -512,7 +523,7 @@ class ChatFront:
                 text_open = True
             yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
         reply = self._reply(session, turn, sample, "toolu_")
-        self._commit(session, plan, sample, reply)
+        yield Commit(plan, sample, reply)
         final = fmt.anthropic_response(
             mid,
             model,
@@ -556,11 +567,13 @@ class ChatFront:
         while len(session.cache) > CACHE_SIZE:
             session.cache.popitem(last=False)
 
-    def _sse(self, api: str, session: Session, digest: str, events: AsyncIterator[str]) -> Response:
+    def _sse(self, api: str, session: Session, digest: str, events: AsyncIterator[str | Commit]) -> Response:
         """Streams ``events`` as server-sent events. They run in a task of their own, which holds the
-        session's lock (``_guard`` hands it over) until the turn is committed or has failed: no other
-        turn of the session runs meanwhile. A client that goes away cancels it (the generation is
-        aborted, nothing recorded); an error once streaming has begun ends the stream with an error event."""
+        session's lock (``_guard`` hands it over) until the turn is recorded or has failed: no other
+        turn of the session runs meanwhile. Each event waits until the one before it was handed to
+        the client's connection, and the turn is recorded only once the last one was: a client that
+        goes away before that cancels it (the generation is aborted, nothing recorded). An error once
+        streaming has begun ends the stream with an error event."""
         lines: asyncio.Queue[str | None] = asyncio.Queue()
 
         def line(item: str) -> str:
@@ -568,11 +581,20 @@ class ChatFront:
 
         async def produce() -> None:
             sent: list[str] = []
+            commit: Commit | None = None
             try:
                 async for item in events:
-                    if item:
+                    if isinstance(item, Commit):
+                        commit = item
+                    elif item:
                         sent.append(line(item))
                         lines.put_nowait(sent[-1])
+                        await lines.join()  # out to the client before the next one (and the record)
+                if commit is not None:
+                    if session.closed:  # the agent returned without waiting for its turn's end
+                        log.warning("a streamed turn ended after its episode: not recorded")
+                        return
+                    self._commit(session, commit.plan, commit.sample, commit.reply)
                 self._cache(session, digest, sent)  # complete: a retry replays it
             except Exception as exc:
                 error = json.dumps(_failure(api, exc, "stream")[1])
@@ -592,7 +614,8 @@ class ChatFront:
         async def body() -> AsyncIterator[str]:
             try:
                 while (item := await lines.get()) is not None:
-                    yield item
+                    yield item  # resumes once the server has written it to the connection
+                    lines.task_done()
             finally:
                 task.cancel()  # nothing once the task is done; else the client left
 
@@ -612,7 +635,7 @@ class ChatFront:
                     if isinstance(cached, list):
                         return StreamingResponse(iter(cached), media_type="text/event-stream")
                     return JSONResponse(cached)
-                response: Response = await handler(session, body, digest)
+                response: Response = await _unless_client_leaves(request, handler(session, body, digest))
                 handed_over = isinstance(response, SessionStream)
                 metrics.FRONT_REQUESTS.labels(api, str(response.status_code)).inc()
                 return response
@@ -627,6 +650,24 @@ class ChatFront:
 
 class SessionStream(StreamingResponse):
     """A streamed turn; its task holds the session's lock until the turn is over."""
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled when the client disconnects meanwhile (its generation is then aborted at the
+    router and nothing is recorded): a client that gave up waiting must not leave a turn it never saw."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise InvalidInput("the client left before its reply was ready", reason="CLIENT_DISCONNECTED")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def _failure(api: str, exc: Exception, what: str) -> tuple[int, dict[str, Any]]:

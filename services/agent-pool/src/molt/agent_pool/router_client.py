@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from molt.core.errors import InvalidInput, MoltError, Unavailable
-from molt.core.serve import error_info
+from molt.core.serve import KEEPALIVE, error_info
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 FINISH_NAMES = {
@@ -90,7 +90,7 @@ class RouterClient:
     def __init__(self, address: str, timeout_s: float = 600.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=RECONNECT)
+        self.channel = grpc.aio.insecure_channel(address, options=[*RECONNECT, *KEEPALIVE])
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     async def close(self) -> None:

@@ -24,7 +24,7 @@ from molt.agent_pool.server import AgentPoolServicer
 from molt.agent_pool.transcript import Transcript
 from molt.core.errors import Unavailable
 from molt.core.queue import TrajectoryQueue
-from molt.core.serve import Registration, ServiceHost
+from molt.core.serve import KEEPALIVE, Registration, ServiceHost
 from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class VersionWatch:
         """Listens to the broadcaster's WatchPolicyVersion; reconnects every second while it is away."""
         while True:
             try:
-                async with grpc.aio.insecure_channel(address) as channel:
+                async with grpc.aio.insecure_channel(address, options=KEEPALIVE) as channel:
                     stub = weights_pb2_grpc.WeightServiceStub(channel)
                     async for message in stub.WatchPolicyVersion(weights_pb2.WatchPolicyVersionRequest()):
                         if not self.streaming:

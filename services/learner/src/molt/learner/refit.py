@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from molt.core.errors import Unavailable
+from molt.core.serve import KEEPALIVE
 from molt.core.weightsync import TensorMeta, WeightGroup, refit_keys
 from molt.learner.config import LearnerSettings
 from molt.v1 import weights_pb2, weights_pb2_grpc
@@ -83,7 +84,7 @@ class WeightPublisher:
         self.settings = settings
         self.channel = grpc.insecure_channel(
             settings.broadcaster_address,
-            options=[("grpc.max_send_message_length", 64 * 1024 * 1024)],
+            options=[("grpc.max_send_message_length", 64 * 1024 * 1024), *KEEPALIVE],
         )
         self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
         self.probe = probe_token_ids(vocab_size, settings.refit_probe_tokens)

@@ -57,6 +57,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
 from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
+from molt.core.serve import KEEPALIVE
 from molt.core.weightsync import ABANDONED, TensorMeta, check_manifest, manifest_to_json, plan_buckets, refit_keys
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 
@@ -163,7 +164,7 @@ class Broadcaster:
         self._redis_write: asyncio.Task[None] | None = None  # the latest write of the published version
         self.lock = asyncio.Lock()
         self.responses: dict[str, weights_pb2.RefitWeightsResponse] = {}
-        self.channel = grpc.aio.insecure_channel(settings.router_address)
+        self.channel = grpc.aio.insecure_channel(settings.router_address, options=KEEPALIVE)
         self.router = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
         self.paused_by_failure: str | None = None
