@@ -41,7 +41,8 @@ from molt.agent_pool.transcript import Transcript, TurnPlan
 from molt.core.errors import InvalidInput, MoltError, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
-CACHE_SIZE = 8
+CACHE_SIZE = 8  # replies a session keeps for identical retries: at most this many,
+CACHE_BYTES = 16 * 1024 * 1024  # and at most this many bytes (a streamed reply with top_logprobs is ~1.6 KB a token)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 INT64 = 1 << 63
 Chunks = AsyncGenerator[tuple[int, Any], None]  # (sample index, chunk) as the router streams them
@@ -121,7 +122,7 @@ class Session:
     key: str
     transcript: Transcript
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    cache: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+    cache: OrderedDict[str, bytes | list[str]] = field(default_factory=OrderedDict)  # JSON body or SSE lines
     turns: int = 0
     closed: bool = False  # the episode is over: nothing more is recorded
     streams: set[asyncio.Task[None]] = field(default_factory=set)  # its streamed turns' tasks, until they end
@@ -558,13 +559,22 @@ class ChatFront:
     # -- plumbing -----------------------------------------------------------------------------
 
     def _remember(self, session: Session, digest: str, reply: Any) -> Response:
-        self._cache(session, digest, reply)
-        return JSONResponse(reply)
+        body = JSONResponse(reply).body  # serialized once: sent, and kept for an identical retry
+        self._cache(session, digest, body)
+        return Response(body, media_type="application/json")
 
     @staticmethod
-    def _cache(session: Session, digest: str, reply: Any) -> None:
+    def _cache(session: Session, digest: str, reply: bytes | list[str]) -> None:
+        """Keeps ``reply`` for an identical retry, dropping the oldest beyond CACHE_SIZE or CACHE_BYTES
+        (a retry of a dropped one is a new turn)."""
         session.cache[digest] = reply
-        while len(session.cache) > CACHE_SIZE:
+
+        def size(item: bytes | list[str]) -> int:
+            return len(item) if isinstance(item, bytes) else sum(len(line) for line in item)
+
+        while len(session.cache) > CACHE_SIZE or (
+            len(session.cache) > 1 and sum(size(item) for item in session.cache.values()) > CACHE_BYTES
+        ):
             session.cache.popitem(last=False)
 
     def _sse(self, api: str, session: Session, digest: str, events: AsyncIterator[str | Commit]) -> Response:
@@ -634,7 +644,7 @@ class ChatFront:
                     metrics.FRONT_REQUESTS.labels(api, "200").inc()
                     if isinstance(cached, list):
                         return StreamingResponse(iter(cached), media_type="text/event-stream")
-                    return JSONResponse(cached)
+                    return Response(cached, media_type="application/json")
                 response: Response = await _unless_client_leaves(request, handler(session, body, digest))
                 handed_over = isinstance(response, SessionStream)
                 metrics.FRONT_REQUESTS.labels(api, str(response.status_code)).inc()
