@@ -47,6 +47,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 INT64 = 1 << 63
 Chunks = AsyncGenerator[tuple[int, Any], None]  # (sample index, chunk) as the router streams them
 T = TypeVar("T")
+LEFT_EARLY = "the client left before its reply was ready"
 DISCONNECT_POLL_S = 0.5  # how often a turn still generating asks whether its client is still there
 
 
@@ -67,12 +68,18 @@ class TooLarge(MoltError):
     reason = "PAYLOAD_TOO_LARGE"
 
 
+class ClientLeft(MoltError):
+    """The client disconnected before its reply was out: nothing of the turn is recorded."""
+
+    reason = "CLIENT_DISCONNECTED"
+
+
 # The router's names of request fields that each API names otherwise (the rest are the same, less the prefix).
 ROUTER_FIELDS = {
     "openai": {"sample_count": "n", "top_logprob_count": "top_logprobs", "stop_strings": "stop"},
     "anthropic": {"stop_strings": "stop_sequences"},
 }
-HTTP_STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, TooLarge: 413, Unavailable: 503}
+HTTP_STATUS = {InvalidInput: 400, Unauthorized: 401, NotFound: 404, TooLarge: 413, ClientLeft: 499, Unavailable: 503}
 
 
 def _integer(body: dict[str, Any], name: str, low: int, high: int = INT64 - 1) -> int | None:
@@ -248,7 +255,7 @@ class ChatFront:
                     raise too_large
                 chunks.append(chunk)
         except ClientDisconnect as exc:
-            raise InvalidInput("the client left while sending its request", reason="CLIENT_DISCONNECTED") from exc
+            raise ClientLeft("the client left while sending its request") from exc
         return b"".join(chunks)
 
     async def _plan(self, session: Session, turn: Turn) -> TurnPlan:
@@ -363,16 +370,19 @@ class ChatFront:
     async def chat_completions(self, session_id: str, request: Request) -> Response:
         return await self._guard("openai", session_id, request, self._chat_completions)
 
-    async def _chat_completions(self, session: Session, body: dict[str, Any], digest: str) -> Response:
+    async def _chat_completions(
+        self, session: Session, body: dict[str, Any], digest: str, request: Request
+    ) -> Response:
         turn = self._openai_turn(body)
         plan = await self._plan(session, turn)
         model, created, cid = str(body.get("model", "molt")), int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if turn.stream:
             chunks = await self._open_stream(session, turn, plan)
             events = self._openai_events(session, turn, plan, chunks, model, created, cid, body)
-            return self._sse("openai", session, digest, events)
+            return self._sse("openai", session, digest, events, request)
         samples = await self.router.generate(self._request(session, turn, plan))
         replies = [self._reply(session, turn, s) for s in samples]
+        await _still_there(request)
         self._commit(session, plan, samples[0], replies[0])
         logprobs = [self._openai_logprobs(s) if turn.logprobs else None for s in samples]
         reply = fmt.openai_response(
@@ -425,8 +435,9 @@ class ChatFront:
             )
 
         yield chunk({"role": "assistant", "content": ""}, upto=0)
-        async for delta, upto in self._stream_text(session, chunks, sample, live=not turn.tools):
-            yield chunk({"content": delta}, upto=upto)
+        async with contextlib.aclosing(self._stream_text(session, chunks, sample, live=not turn.tools)) as texts:
+            async for delta, upto in texts:
+                yield chunk({"content": delta}, upto=upto)
         reply = self._reply(session, turn, sample)
         yield Commit(plan, sample, reply)
         final = fmt.openai_response(
@@ -472,17 +483,18 @@ class ChatFront:
     async def messages(self, session_id: str, request: Request) -> Response:
         return await self._guard("anthropic", session_id, request, self._messages)
 
-    async def _messages(self, session: Session, body: dict[str, Any], digest: str) -> Response:
+    async def _messages(self, session: Session, body: dict[str, Any], digest: str, request: Request) -> Response:
         turn = self._anthropic_turn(body)
         plan = await self._plan(session, turn)
         model, mid = str(body.get("model", "molt")), f"msg_{uuid.uuid4().hex}"
         if turn.stream:
             chunks = await self._open_stream(session, turn, plan)
             return self._sse(
-                "anthropic", session, digest, self._anthropic_events(session, turn, plan, chunks, model, mid)
+                "anthropic", session, digest, self._anthropic_events(session, turn, plan, chunks, model, mid), request
             )
         (sample,) = await self.router.generate(self._request(session, turn, plan))
         reply = self._reply(session, turn, sample, "toolu_")
+        await _still_there(request)
         self._commit(session, plan, sample, reply)
         return self._remember(
             session,
@@ -518,11 +530,12 @@ class ChatFront:
         }
         yield event("message_start", message=start)
         text_open = False
-        async for delta, _ in self._stream_text(session, chunks, sample, live=not turn.tools):
-            if not text_open:
-                yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                text_open = True
-            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
+        async with contextlib.aclosing(self._stream_text(session, chunks, sample, live=not turn.tools)) as texts:
+            async for delta, _ in texts:
+                if not text_open:
+                    yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                    text_open = True
+                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
         reply = self._reply(session, turn, sample, "toolu_")
         yield Commit(plan, sample, reply)
         final = fmt.anthropic_response(
@@ -577,7 +590,9 @@ class ChatFront:
         ):
             session.cache.popitem(last=False)
 
-    def _sse(self, api: str, session: Session, digest: str, events: AsyncIterator[str | Commit]) -> Response:
+    def _sse(
+        self, api: str, session: Session, digest: str, events: AsyncGenerator[str | Commit, None], request: Request
+    ) -> Response:
         """Streams ``events`` as server-sent events. They run in a task of their own, which holds the
         session's lock (``_guard`` hands it over) until the turn is recorded or has failed: no other
         turn of the session runs meanwhile. Each event waits until the one before it was handed to
@@ -593,16 +608,20 @@ class ChatFront:
             sent: list[str] = []
             commit: Commit | None = None
             try:
-                async for item in events:
-                    if isinstance(item, Commit):
-                        commit = item
-                    elif item:
-                        sent.append(line(item))
-                        lines.put_nowait(sent[-1])
-                        await lines.join()  # out to the client before the next one (and the record)
+                async with contextlib.aclosing(events):  # closed here when cancelled: the router's call with it
+                    async for item in events:
+                        if isinstance(item, Commit):
+                            commit = item
+                        elif item:
+                            sent.append(line(item))
+                            lines.put_nowait(sent[-1])
+                            await lines.join()  # out to the client before the next one (and the record)
                 if commit is not None:
                     if session.closed:  # the agent returned without waiting for its turn's end
                         log.warning("a streamed turn ended after its episode: not recorded")
+                        return
+                    if await request.is_disconnected():  # its last lines may not have gone out
+                        log.info("a streamed turn's client left at its end: not recorded")
                         return
                     self._commit(session, commit.plan, commit.sample, commit.reply)
                 self._cache(session, digest, sent)  # complete: a retry replays it
@@ -614,6 +633,7 @@ class ChatFront:
 
         def done(task: asyncio.Task[None]) -> None:
             # Here, not in ``produce``: a task cancelled before its first step never runs its body.
+            lines.put_nowait(None)  # (so the stream ends then too; a second end marker is never read)
             session.lock.release()
             session.streams.discard(task)
 
@@ -632,7 +652,11 @@ class ChatFront:
         return SessionStream(body(), media_type="text/event-stream")
 
     async def _guard(
-        self, api: str, session_id: str, request: Request, handler: Callable[[Session, dict[str, Any], str], Any]
+        self,
+        api: str,
+        session_id: str,
+        request: Request,
+        handler: Callable[[Session, dict[str, Any], str, Request], Awaitable[Response]],
     ) -> Response:
         try:
             session, body, digest = await self._session(session_id, request)
@@ -645,7 +669,7 @@ class ChatFront:
                     if isinstance(cached, list):
                         return StreamingResponse(iter(cached), media_type="text/event-stream")
                     return Response(cached, media_type="application/json")
-                response: Response = await _unless_client_leaves(request, handler(session, body, digest))
+                response = await _unless_client_leaves(request, handler(session, body, digest, request))
                 handed_over = isinstance(response, SessionStream)
                 metrics.FRONT_REQUESTS.labels(api, str(response.status_code)).inc()
                 return response
@@ -662,6 +686,12 @@ class SessionStream(StreamingResponse):
     """A streamed turn; its task holds the session's lock until the turn is over."""
 
 
+async def _still_there(request: Request) -> None:
+    """Raises ClientLeft when the client has gone: checked right before a plain turn is recorded."""
+    if await request.is_disconnected():
+        raise ClientLeft(LEFT_EARLY)
+
+
 async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """``work``, cancelled when the client disconnects meanwhile (its generation is then aborted at the
     router and nothing is recorded): a client that gave up waiting must not leave a turn it never saw."""
@@ -672,7 +702,9 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise InvalidInput("the client left before its reply was ready", reason="CLIENT_DISCONNECTED")
+                if task.done():  # it finished meanwhile: a stream handles its own client from here
+                    return task.result()
+                raise ClientLeft(LEFT_EARLY)
     finally:
         if not task.done():
             task.cancel()
@@ -682,12 +714,15 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
 
 def _failure(api: str, exc: Exception, what: str) -> tuple[int, dict[str, Any]]:
     """The HTTP status and error body for ``exc`` (called while it is handled), logged: a refusal
-    (MoltError) as a warning, anything else with its traceback."""
+    (MoltError) as a warning (a client that left: info), anything else with its traceback."""
     status = next((code for cls, code in HTTP_STATUS.items() if isinstance(exc, cls)), 500)
     if isinstance(exc, MoltError):
         message = _http_names(api, exc.message)
-        log.warning(
-            "front %s refused", what, extra={"api": api, "status": status, "reason": exc.reason, "error": message}
+        log.log(
+            logging.INFO if isinstance(exc, ClientLeft) else logging.WARNING,
+            "front %s refused",
+            what,
+            extra={"api": api, "status": status, "reason": exc.reason, "error": message},
         )
         return status, error_body(api, status, message)
     log.exception("front %s failed", what, extra={"api": api})
