@@ -31,7 +31,7 @@ from molt.launcher.plan import embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import plot_rewards, summary
 from molt.launcher.recipe import apply_sets, load_recipe, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState, describe, down
-from molt.launcher.up import Launch
+from molt.launcher.up import Launch, _exit
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny-cpu.toml"
@@ -304,6 +304,31 @@ def test_failure_cause_picks_the_line_that_says_why(tmp_path: Path) -> None:
     assert failure_cause(log) == "OSError: Failed to bind to address 127.0.0.1:51151"
     log.write_text("")
     assert failure_cause(log) == "" and failure_cause(tmp_path / "absent.log") == ""
+    # A log whose last lines are routine records says nothing (the last one used to be shown as the cause),
+    # and for a process killed by a signal its plain last line is only what it was doing.
+    log.write_text(f"starting\n{info}\n{info}\n")
+    assert failure_cause(log) == "starting" and failure_cause(log, last_line=False) == ""
+    log.write_text(f"{info}\n")
+    assert failure_cause(log) == ""
+    assert _exit(1) == "exited with 1" and _exit(-9).startswith("was killed by SIGKILL (killed from outside")
+    assert _exit(-15) == "was killed by SIGTERM"
+
+
+def test_a_dead_embedded_redis_ends_the_run_with_its_own_cause(tmp_path: Path) -> None:
+    """The launcher's own redis-server, killed: the monitor says so, naming it, before it would restart a
+    learner into it (it used to notice only through the learner's ConnectionError, and restart it)."""
+    launch = Launch.__new__(Launch)  # only the part of the launch under test: its Redis
+    launch.redis = RedisServer(tmp_path / "redis")
+    launch.redis.start()
+    try:
+        launch._check_redis()  # alive: nothing to say
+        assert launch.redis.process is not None
+        launch.redis.process.kill()
+        launch.redis.process.wait()
+        with pytest.raises(RuntimeError, match=r"the embedded redis-server \(pid \d+\) was killed by SIGKILL"):
+            launch._check_redis()
+    finally:
+        launch.redis.stop()
 
 
 def test_a_torn_run_record_is_a_clear_error(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from molt.agent_pool.episodes import Episode, _messages, _reward
 from molt.agent_pool.pool import PromptSource, RolloutPool
 from molt.agent_pool.transcript import Segment
 from molt.core.queue import TrajectoryQueue
+from molt.core.testing import free_port
 
 REPO = Path(__file__).resolve().parents[4]
 RUN = "pool-faults"
@@ -136,3 +137,24 @@ def test_a_second_start_paces_from_the_queue_as_it_finds_it(
 
     backlog, index = asyncio.run(main())
     assert backlog == 2 and index == 3  # the backlog, then the one group this production started
+
+
+def test_pacing_reads_that_redis_does_not_answer_are_logged_once_and_slowed(
+    tmp_path: Path, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listens at the queue's address (a Redis gone): the staleness gate's reads fail, each one
+    slowed to a try a second, and one warning says so (it was ~20 lines a second)."""
+    settings = make_settings(tmp_path, tiny_model)
+    gone = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
+    caplog.set_level(logging.WARNING, logger="molt.agent_pool.pool")
+
+    async def main() -> tuple[list[int | None], float]:
+        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), TrajectoryQueue(gone, RUN), int)
+        started = time.monotonic()
+        reads = [await pool._learner_skipped() for _ in range(3)]
+        return reads, time.monotonic() - started
+
+    reads, elapsed = asyncio.run(main())
+    assert reads == [None, None, None] and elapsed >= 3.0
+    warnings = [r for r in caplog.records if "cannot read the learner's skipped groups" in r.getMessage()]
+    assert len(warnings) == 1

@@ -114,7 +114,7 @@ def test_damaged_checkpoints_are_refused_by_name_and_load_nothing(
     (path / "model.pt").write_bytes(b"")
     refused(r"model.pt is unreadable")
     (path / "model.pt").write_bytes(good["model.pt"][: len(good["model.pt"]) // 2])
-    refused(r"model.pt is unreadable")
+    refused(r"model.pt is unreadable .*; to resume from step-00000001 instead .* move step-00000002 aside")
     (path / "model.pt").write_bytes(good["model.pt"])
     (path / "extra_state.pt").write_bytes(good["extra_state.pt"][:100])
     refused(r"extra_state.pt is unreadable")

@@ -265,10 +265,11 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def failure_cause(path: Path, lines: int = 80) -> str:
+def failure_cause(path: Path, lines: int = 80, last_line: bool = True) -> str:
     """The line of a service's log that most likely says why it failed: the last error-level log
     record's message (with its ``error``/``reason`` field), else the last line of a traceback
-    (``SomeError: ...``), else the last line; "" when the log is empty or unreadable."""
+    (``SomeError: ...``), else (with ``last_line``) the last line that is not an info or debug
+    record; "" when the log is empty or unreadable, or says nothing more."""
     tail = [line.strip() for line in log_tail(path, lines).splitlines() if line.strip()]
     if not tail or tail[0].startswith("(unreadable"):
         return ""
@@ -285,9 +286,12 @@ def failure_cause(path: Path, lines: int = 80) -> str:
     for line in reversed(tail):
         if TRACEBACK_END.match(line):
             return line[:500]
-    return tail[-1][:500]
+    if not last_line:
+        return ""
+    return next((line[:500] for line in reversed(tail) if not ROUTINE_RECORD.match(line)), "")
 
 
+ROUTINE_RECORD = re.compile(r'^\{.*"level": ?"(info|debug)"')  # a JSON log record of no failure
 TRACEBACK_END = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 
 

@@ -256,11 +256,12 @@ class Launch:
         learner = self.children["learner"].process
         assert learner is not None
         while True:
+            self._check_redis()  # first: a learner that died of a dead Redis must not be restarted into it
             code = learner.poll()
             if code is not None and code != 0 and restarts > 0:
                 restarts -= 1
                 self.say(
-                    f"molt: the learner exited with {code}{_cause(self.children['learner'].log_path)}; restarting it "
+                    f"molt: the learner {_exit(code)}{_cause(self.children['learner'].log_path, code)}; restarting it "
                     "from its newest checkpoint "
                     f"({restarts} restart(s) left; see {self.children['learner'].log_path})"
                 )
@@ -271,20 +272,29 @@ class Launch:
                 assert learner is not None
                 continue
             if code is not None:
-                cause = _cause(self.children["learner"].log_path) if code else ""
-                self.say(f"molt: the learner exited with {code}{cause}")
+                cause = _cause(self.children["learner"].log_path, code) if code else ""
+                self.say(f"molt: the learner {_exit(code)}{cause}")
                 return 0 if code == 0 else 1
             for name, child in self.children.items():
                 if child.process is not None and child.process.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited with {child.process.returncode}{_cause(child.log_path)}; see {child.log_path}"
-                    )
+                    code = child.process.returncode
+                    raise RuntimeError(f"{name} {_exit(code)}{_cause(child.log_path, code)}; see {child.log_path}")
             snap = gather(
                 self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
             )
             self.say(status_line(snap, time.monotonic() - started, previous))
             previous = snap
             time.sleep(every)
+
+    def _check_redis(self) -> None:
+        """Raises when the embedded redis-server this run started has exited (every service needs it)."""
+        process = self.redis.process if self.redis is not None else None
+        if process is not None and process.poll() is not None:
+            log = self.redis.data_dir / "redis.log"  # type: ignore[union-attr]
+            raise RuntimeError(
+                f"the embedded redis-server (pid {process.pid}) {_exit(process.returncode)}"
+                f"{_cause(log, process.returncode)}; see {log}"
+            )
 
     def _stop_all(self) -> None:
         """Stops every child, newest first; the agent-pool gets its longer grace (final evaluation)."""
@@ -319,10 +329,23 @@ class Launch:
             self.say(f"molt: could not record the run's state: {exc}")
 
 
-def _cause(log_path: Path) -> str:
-    """``: <the line of the log that says why>``, or "" when the log says nothing."""
-    cause = failure_cause(log_path)
+def _cause(log_path: Path, code: int | None = None) -> str:
+    """``: <the line of the log that says why>``, or "" when the log says nothing (for a process killed by
+    a signal, only an error record or a traceback: its last line is whatever it was doing)."""
+    cause = failure_cause(log_path, last_line=code is None or code >= 0)
     return f": {cause}" if cause else ""
+
+
+def _exit(code: int | None) -> str:
+    """How a child process ended, in words: ``exited with 1``, ``was killed by SIGKILL (...)``."""
+    if code is None or code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (killed from outside, or by the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+    return f"was killed by {name}{hint}"
 
 
 def up(recipe: Recipe, run_dir: Path | None = None, out: TextIO = sys.stdout) -> int:

@@ -102,6 +102,7 @@ VERSION_POLL_S = 0.05  # how often a pool held back by staleness asks for the po
 PUT_WAIT_S = 1.0  # one try of a put into a full queue (the pool says it is waiting, and can stop, between tries)
 RETRY_MAX_S = 10.0  # longest wait between tries when Redis does not answer
 FAILING_BACKOFF_MAX_S = 30.0  # longest pause before a group when every episode of the last ones failed
+REDIS_WARN_EVERY_S = 30.0  # a pacing read Redis does not answer is logged at most this often
 
 
 class RolloutPool:
@@ -128,6 +129,8 @@ class RolloutPool:
         self.producer: asyncio.Task[None] | None = None
         self.skipped_before: int | None = None  # the learner's skipped groups when this pool began
         self.failing = 0  # groups in a row in which every episode failed (the producer backs off)
+        self.redis_warned_at = -REDIS_WARN_EVERY_S  # when a failed pacing read was last logged
+        self.redis_failures = 0  # failed pacing reads since then
         self.counted_from = (0, 0)  # (started, unqueued) groups when the current production began
 
     @property
@@ -239,7 +242,7 @@ class RolloutPool:
         try:
             return (await asyncio.to_thread(self.queue.stats)).lag
         except RedisError as exc:
-            log.warning("cannot read the queue's backlog", extra={"error": str(exc)})
+            await self._redis_failed("cannot read the queue's backlog", exc)
             return 0
 
     async def _learner_skipped(self) -> int | None:
@@ -247,8 +250,19 @@ class RolloutPool:
         try:
             return await asyncio.to_thread(self.queue.skipped)
         except RedisError as exc:
-            log.warning("cannot read the learner's skipped groups", extra={"error": str(exc)})
+            await self._redis_failed("cannot read the learner's skipped groups", exc)
             return None
+
+    async def _redis_failed(self, what: str, exc: RedisError) -> None:
+        """A pacing read Redis did not answer: logged at most every REDIS_WARN_EVERY_S (with how many
+        failed since), and the caller slowed to one try a second. A Redis gone logged ~20 lines a
+        second from the staleness gate's 50 ms poll."""
+        self.redis_failures += 1
+        now = time.monotonic()
+        if now - self.redis_warned_at >= REDIS_WARN_EVERY_S:
+            log.warning(what, extra={"error": str(exc), "failuresSinceLastLine": self.redis_failures})
+            self.redis_warned_at, self.redis_failures = now, 0
+        await asyncio.sleep(1.0)
 
     async def _group(self, prompt: Prompt) -> None:
         self.stats.in_flight_groups += 1

@@ -164,15 +164,9 @@ class Checkpoints:
             return None
         newest = directories[-1]
         if missing := missing_files(newest):
-            complete = [p for p in directories if is_complete(p)]
-            fallback = (
-                f"; to resume from {complete[-1].name} instead (the steps after it are retrained only if "
-                "their queue entries are still pending, which after a checkpoint they are not), move "
-                f"{newest.name} aside"
-                if complete
-                else "; no complete checkpoint is left: move the directory aside to start over"
+            raise CheckpointError(
+                f"newest checkpoint {newest} is damaged: {', '.join(missing)} missing{self._way_out(newest)}"
             )
-            raise CheckpointError(f"newest checkpoint {newest} is damaged: {', '.join(missing)} missing{fallback}")
         for path in directories[:-1]:
             if missing := missing_files(path):
                 log.warning("an older checkpoint is damaged, ignored", extra={"path": str(path), "missing": missing})
@@ -244,21 +238,31 @@ class Checkpoints:
         checkpoint.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def _way_out(self, damaged: Path) -> str:
+        """What to do about a damaged checkpoint: resume from the newest complete one before it."""
+        complete = [p for p in self._directories() if _step_of(p) < _step_of(damaged) and is_complete(p)]
+        if not complete:
+            return "; no complete checkpoint is left: move the directory aside to start over"
+        return (
+            f"; to resume from {complete[-1].name} instead (the steps after it are retrained only if their "
+            f"queue entries are still pending, which after a checkpoint they are not), move {damaged.name} aside"
+        )
+
+    @staticmethod
+    def _read_all(path: Path) -> tuple[RunState, tuple[Any, Any, Any]]:
+        if missing := missing_files(path):
+            raise CheckpointError(f"{path} is not a complete checkpoint: {', '.join(missing)} missing")
+        state = _read_state(path)
+        return state, tuple(_read(path / name) for name in ("model.pt", "optimizer.pt", "extra_state.pt"))  # type: ignore[return-value]
+
     def load(self, trainer: Trainer, path: Path) -> RunState:
         """Restores model, optimizer, scheduler, RNG and step from ``path`` (collective). Every file is
         read and checked before anything is loaded into the trainer: a damaged checkpoint raises
-        CheckpointError naming the file and leaves the trainer as it was."""
-        if missing := missing_files(path):
-            raise CheckpointError(f"{path} is not a complete checkpoint: {', '.join(missing)} missing")
+        CheckpointError naming the file and the way out, and leaves the trainer as it was."""
         try:
-            state = RunState.from_json((path / "state.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path / 'state.json'} is unreadable: {exc}") from exc
-        if state.step != _step_of(path):
-            raise CheckpointError(f"{path / 'state.json'} holds step {state.step}, its directory says {_step_of(path)}")
-        model_state, optimizer_state, extra = (
-            _read(path / name) for name in ("model.pt", "optimizer.pt", "extra_state.pt")
-        )
+            state, (model_state, optimizer_state, extra) = self._read_all(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}{self._way_out(path)}") from exc
         if trainer.critic is not None and "critic" not in extra:
             raise CheckpointError(f"{path} holds no critic; it was not written by a gae run")
         try:
@@ -282,6 +286,16 @@ class Checkpoints:
         trainer.version_offset = state.policy_version - state.step
         log.info("resumed from checkpoint", extra={"step": state.step, "path": str(path)})
         return state
+
+
+def _read_state(path: Path) -> RunState:
+    try:
+        state = RunState.from_json((path / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'state.json'} is unreadable: {exc}") from exc
+    if state.step != _step_of(path):
+        raise CheckpointError(f"{path / 'state.json'} holds step {state.step}, its directory says {_step_of(path)}")
+    return state
 
 
 def _read(path: Path) -> Any:
