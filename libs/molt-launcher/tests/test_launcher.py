@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from molt.core.errors import ConfigError
 from molt.core.processes import (
@@ -32,6 +33,7 @@ from molt.launcher.progress import plot_rewards, summary
 from molt.launcher.recipe import apply_sets, load_recipe, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState, describe, down
 from molt.launcher.up import Launch, _exit
+from molt.learner.checkpoint import RunState as CheckpointState
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "recipes" / "tiny-cpu.toml"
@@ -280,10 +282,22 @@ def test_preflight_names_what_this_machine_lacks(tiny_model: Path, tmp_path: Pat
         for s in ("router", "learner", "agent_pool", "broadcaster")
         for f, v in (("metrics_port", 0), ("listen", f"'127.0.0.1:{free_port()}'"))
     ]
-    assert (
-        preflight(load_recipe(TINY, ["launcher.sft_warmup=false", "launcher.build_tiny_model=false", *ready, *ports]))
-        == []
-    )
+    recipe = load_recipe(TINY, ["launcher.sft_warmup=false", "launcher.build_tiny_model=false", *ready, *ports])
+    assert preflight(recipe) == []
+    # A run directory whose newest checkpoint is damaged (a truncated file): named at once, with the way
+    # out, instead of by the learner a minute later, after the engines started.
+    for step in (1, 2):
+        checkpoint = tmp_path / "run" / "checkpoints" / f"step-{step:08d}"
+        checkpoint.mkdir(parents=True)
+        for name in ("model.pt", "optimizer.pt", "extra_state.pt"):
+            torch.save({"step": step}, checkpoint / name)
+        (checkpoint / "state.json").write_text(CheckpointState(step=step, policy_version=step).to_json())
+    assert preflight(recipe, tmp_path / "run") == []
+    newest = tmp_path / "run" / "checkpoints" / "step-00000002" / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    (problem,) = preflight(recipe, tmp_path / "run")
+    assert problem.startswith("the learner cannot resume: ") and f"{newest} is unreadable" in problem
+    assert "to resume from step-00000001 instead" in problem and "move step-00000002 aside" in problem
 
 
 def test_failure_cause_picks_the_line_that_says_why(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ disjoint ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
@@ -200,11 +201,19 @@ def check_recipe(recipe: Recipe) -> list[str]:
     return problems
 
 
-def preflight(recipe: Recipe) -> list[str]:
+def preflight(recipe: Recipe, run_dir: Path | None = None) -> list[str]:
     """What this machine lacks for the recipe, checked before anything starts (empty = ready): model
-    directories, data files, free listen and metrics ports, a reachable Redis. Each would otherwise
+    directories, data files, free listen and metrics ports, a reachable Redis, and (for a run directory
+    that holds checkpoints) a newest checkpoint the learner can resume from. Each would otherwise
     surface a minute later as one service's crash."""
     problems: list[str] = []
+    if run_dir is not None and (run_dir / "checkpoints").is_dir():
+        from molt.learner.checkpoint import CheckpointError, Checkpoints  # torch: only when there is one
+
+        try:
+            Checkpoints(run_dir / "checkpoints", recipe.learner.keep_checkpoints, is_writer=False).check_newest()
+        except CheckpointError as exc:
+            problems.append(f"the learner cannot resume: {exc}")
     launcher, learner, pool, router = recipe.launcher, recipe.learner, recipe.agent_pool, recipe.router
     built = learner.model_path if launcher.build_tiny_model else None
     sft = launcher.sft_warmup and learner.sft is not None  # then the engines serve the warm-up's output

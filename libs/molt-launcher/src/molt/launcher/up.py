@@ -360,7 +360,7 @@ def up(recipe: Recipe, run_dir: Path | None = None, out: TextIO = sys.stdout) ->
             active = False
         if active:
             raise ConfigError(f"a run is already active in {run_dir} (molt status / molt down)")
-    missing = preflight(recipe)
+    missing = preflight(recipe, run_dir)
     if missing:
         raise ConfigError(
             f"recipe {recipe.path} cannot run on this machine:\n" + "\n".join(f"  - {p}" for p in missing)

@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import uuid
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,22 @@ class Checkpoints:
         for path in directories[:-1]:
             if missing := missing_files(path):
                 log.warning("an older checkpoint is damaged, ignored", extra={"path": str(path), "missing": missing})
+        return newest
+
+    def check_newest(self) -> Path | None:
+        """The newest checkpoint after a quick look at its files, loading nothing (``molt up``'s preflight):
+        what ``load`` would refuse for missing files, a state.json that does not parse, or a ``.pt`` that
+        is not a whole torch archive (a truncated one). Raises CheckpointError with the way out."""
+        newest = self.newest()
+        if newest is None:
+            return None
+        try:
+            _read_state(newest)
+            for name in FILES:
+                if name.endswith(".pt") and not zipfile.is_zipfile(newest / name):
+                    raise CheckpointError(f"{newest / name} is unreadable (not a whole torch archive: truncated?)")
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}{self._way_out(newest)}") from exc
         return newest
 
     def save(self, trainer: Trainer, state: RunState) -> Path:
