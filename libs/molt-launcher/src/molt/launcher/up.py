@@ -76,6 +76,7 @@ class Launch:
         self.children: dict[str, ChildProcess] = {}  # in start order
         self.redis: RedisServer | None = None
         self.stopping = False
+        self.learner_restarted = 0  # times the learner was started again after it failed
         self.config_path = run_dir / "config.toml"
 
     def say(self, text: str) -> None:
@@ -125,6 +126,8 @@ class Launch:
                 signal.signal(sig, handler)
         plot = plot_rewards(self.run_dir)
         self.say(summary(self.run_dir, time.monotonic() - started))
+        if self.learner_restarted:
+            self.say(f"learner restarted {self.learner_restarted} time(s) (each announced above, with its cause)")
         if plot is not None:
             self.say(f"reward curve: {plot}")
         return code
@@ -260,6 +263,7 @@ class Launch:
             code = learner.poll()
             if code is not None and code != 0 and restarts > 0:
                 restarts -= 1
+                self.learner_restarted += 1
                 self.say(
                     f"molt: the learner {_exit(code)}{_cause(self.children['learner'].log_path, code)}; restarting it "
                     "from its newest checkpoint "
