@@ -23,7 +23,10 @@ Every path gets a warm-up round; then ``--repeats`` measured rounds, the paths'
 order alternating between rounds. Latency is one episode's, from the moment it
 gets a concurrency slot. Sampling settings are the router's (temperature 1.0),
 identical on every path.
-Usage: ``uv run python bench/agent_pool.py [--episodes 64] [--concurrency 16] [--max-tokens 16] [--repeats 3]``.
+``--stream``: the front's ChatAgent streams its replies (``stream=True``, deltas joined), so the
+front's streamed path is measured against GenerateStream.
+Usage: ``uv run python bench/agent_pool.py [--episodes 64] [--concurrency 16] [--max-tokens 16] [--repeats 3]
+[--stream]``.
 """
 
 from __future__ import annotations
@@ -79,17 +82,22 @@ def reward(text: str, prompt: dict[str, Any]) -> float:
     return float(text.strip() == str(prompt["answer"]))
 
 
-def arithmetic_agent(max_tokens: int) -> type[Any]:
+def arithmetic_agent(max_tokens: int, stream: bool = False) -> type[Any]:
     from molt.agent_pool.agents import AgentResult, ChatAgent
 
     class BenchArithmetic(ChatAgent):
-        """``OpenAIArithmetic`` with the bench's ``max_tokens`` and the episode's seed."""
+        """``OpenAIArithmetic`` with the bench's ``max_tokens`` and the episode's seed (``stream``: the
+        reply streamed, its deltas joined)."""
 
         async def run(self, client: Any, prompt: dict[str, Any]) -> AgentResult:
-            response = await client.chat.completions.create(
-                model="policy", messages=chat(prompt), max_tokens=max_tokens, seed=prompt["seed"]
-            )
-            return AgentResult(reward=reward(response.choices[0].message.content or "", prompt))
+            request = {"model": "policy", "messages": chat(prompt), "max_tokens": max_tokens, "seed": prompt["seed"]}
+            if stream:
+                chunks = await client.chat.completions.create(**request, stream=True)
+                text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            else:
+                response = await client.chat.completions.create(**request)
+                text = response.choices[0].message.content or ""
+            return AgentResult(reward=reward(text, prompt))
 
     return BenchArithmetic
 
@@ -158,7 +166,7 @@ async def bench(address: str, model: Path, prompts: list[dict[str, Any]], args: 
     server, server_task, base_url = await start_front(front, f"127.0.0.1:{free_port()}")
     channel = grpc.aio.insecure_channel(address)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-    runner = chat_runner(arithmetic_agent(args.max_tokens), front, base_url)
+    runner = chat_runner(arithmetic_agent(args.max_tokens, args.stream), front, base_url)
 
     async def via_front(prompt: dict[str, Any]) -> Result:
         started = time.perf_counter()
@@ -248,6 +256,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64, help="single-turn episodes per round")
     parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight at once")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--stream", action="store_true", help="the front's ChatAgent streams its replies")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per path, after a warm-up round")
     args = parser.parse_args()
     prompts = load_prompts(args.episodes)
