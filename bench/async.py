@@ -28,7 +28,7 @@ resume; the engines stand still from the pause to the resume). (vLLM's worker bu
 second after its last step, so on a CPU engine its share counts idle spinning too.)
 
 Usage: ``uv run python bench/async.py [--workloads tiny,longtail] [--modes sync,async] [--steps 40] [--skip 8]
-[--set K=V ...]``.
+[--set K=V ...] [--async-set K=V ...]``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
         **WORKLOADS[workload],
         **mode_sets(mode, args.staleness),
         **dict(assignment.split("=", 1) for assignment in args.set),
+        **(dict(assignment.split("=", 1) for assignment in args.async_set) if mode == "async" else {}),
     }
     for key in ("router", "broadcaster", "learner", "agent_pool"):
         sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
@@ -182,6 +183,13 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run (repeatable)"
     )
+    parser.add_argument(
+        "--async-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the async runs only (repeatable), e.g. learner.refit_every=2",
+    )
     args = parser.parse_args()
     if args.staleness < 1 or args.steps < args.skip + 3:
         parser.error("need --staleness >= 1 and --steps >= --skip + 3")
@@ -193,7 +201,8 @@ def main() -> None:
         parser.error(f"unknown workloads {sorted(unknown)}")
     print(
         f"async vs sync loop through molt up ({RECIPE.name}), {args.steps} steps per run, first {args.skip} "
-        f"left out, async staleness {args.staleness}, {os.cpu_count()} cpus, overrides {args.set or 'none'}",
+        f"left out, async staleness {args.staleness}, {os.cpu_count()} cpus, overrides {args.set or 'none'}, "
+        f"async-only overrides {args.async_set or 'none'}",
         flush=True,
     )
     results = []

