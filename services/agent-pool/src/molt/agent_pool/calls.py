@@ -1,12 +1,14 @@
 """How the pool calls an agent's code, and how it bounds an episode.
 
 - An ``async`` method runs on the pool's event loop.
-- A plain method runs on its episode's own thread: one per episode, made when the
-  agent class has a plain method (its constructor then runs there too), so the
-  episode's plain calls all run on one thread, one at a time. A method that blocks
-  (a subprocess, a sync HTTP client, ``time.sleep``) stalls only its own episode.
-  Episodes run side by side, so state shared across episodes (module globals)
-  must be thread-safe.
+- A plain method runs on its episode's own thread: one per episode while it runs,
+  taken when the agent class has a plain method (its constructor then runs there
+  too), so the episode's plain calls all run on one thread, one at a time. A method
+  that blocks (a subprocess, a sync HTTP client, ``time.sleep``) stalls only its own
+  episode. Episodes run side by side, so state shared across episodes (module
+  globals) must be thread-safe. A thread is kept after its episode ends and handed
+  to a later one (starting a thread cost about as much as the rest of a short
+  episode's calls together), so thread-local state can outlive its episode.
 - An episode past its timeout, or stopped, is given up at once. A plain call still
   running then goes on in its thread (a thread cannot be stopped) and async code
   that ignores its cancellation goes on as a task: both are counted in
@@ -26,7 +28,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Env
@@ -56,24 +58,25 @@ class _Call:
     overrunning: bool = False
 
 
-class AgentThread:
-    """One episode's thread for its agent's plain methods; ``close()`` lets it end after its last call."""
+IDLE_THREADS_KEPT = 256  # threads of ended episodes kept for later ones; beyond that they end
 
-    def __init__(self, name: str = "molt-agent") -> None:
-        self.name = name
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+
+class AgentThread:
+    """One episode's thread for its agent's plain methods, from the kept threads or new; ``close()`` hands
+    it back once its last call has returned."""
+
+    def __init__(self) -> None:
+        self._worker: _Worker | None = None
 
     async def call(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)``: awaited on the loop when it is a coroutine function, else run on the thread."""
         if inspect.iscoroutinefunction(function):
             return await function(*args)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-            self._thread.start()
+        if self._worker is None:
+            self._worker = _Worker.take()
         loop = asyncio.get_running_loop()
         call = _Call(function, args, loop, loop.create_future())
-        self._calls.put(call)
+        self._worker.calls.put(call)
         try:
             value = await call.future
         except asyncio.CancelledError:
@@ -90,28 +93,60 @@ class AgentThread:
         return value
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._calls.put(None)
+        """The thread goes back to the kept ones after the calls already given to it (one that overruns
+        its episode holds it until it returns); a later call takes another thread."""
+        if self._worker is not None:
+            self._worker.calls.put(None)
+            self._worker = None
+
+
+class _Worker:
+    """A daemon thread that runs the calls put to it, one at a time, until a ``None`` hands it back."""
+
+    idle: ClassVar[list[_Worker]] = []
+    idle_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="molt-agent", daemon=True).start()
+
+    @classmethod
+    def take(cls) -> _Worker:
+        with cls.idle_lock:
+            if cls.idle:
+                return cls.idle.pop()
+        return cls()
 
     def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
-            with call.lock:
-                if call.future.cancelled():  # given up before it started: never run
-                    continue
-                call.started = time.monotonic()
-            outcome = _outcome(call.function, call.args)
-            with call.lock:
-                call.finished = True
-                overran = call.overrunning
-            if overran:
-                metrics.AGENT_CALLS_OVERRUNNING.dec()
-                log.warning(
-                    "an agent's plain method returned after its episode ended",
-                    extra={"method": _name(call.function), "runningS": round(time.monotonic() - call.started, 3)},
-                )
+        while True:
+            call = self.calls.get()
+            if call is not None:
+                _run(call)
                 continue
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
-                call.loop.call_soon_threadsafe(_settle, call.future, outcome)
+            with self.idle_lock:  # its episode closed it, and every call it was given has returned
+                if len(self.idle) >= IDLE_THREADS_KEPT:
+                    return
+                self.idle.append(self)
+
+
+def _run(call: _Call) -> None:
+    with call.lock:
+        if call.future.cancelled():  # given up before it started: never run
+            return
+        call.started = time.monotonic()
+    outcome = _outcome(call.function, call.args)
+    with call.lock:
+        call.finished = True
+        overran = call.overrunning
+    if overran:
+        metrics.AGENT_CALLS_OVERRUNNING.dec()
+        log.warning(
+            "an agent's plain method returned after its episode ended",
+            extra={"method": _name(call.function), "runningS": round(time.monotonic() - call.started, 3)},
+        )
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
+        call.loop.call_soon_threadsafe(_settle, call.future, outcome)
 
 
 def _outcome(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
