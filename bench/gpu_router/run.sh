@@ -12,12 +12,13 @@ if [ "${1:-}" = "--stage" ]; then
   ls -la "$stash"
   exit 0
 fi
-if [ ! -d /tmp/molt-site/vllm ]; then
-  mkdir -p /tmp/molt-site
-  cat "$stash"/site.tar.xz.part-* | xz -d -T0 | tar -x -C /tmp/molt-site
+if [ ! -d /tmp/molt-site ]; then  # unpacked whole or not at all: a missing part fails here, every time
+  rm -rf /tmp/molt-site.partial && mkdir -p /tmp/molt-site.partial
+  cat "$stash"/site.tar.xz.part-* | xz -d -T0 | tar -x -C /tmp/molt-site.partial
   # The FlashAttention kernels are not carried (Triton attention runs instead): let the package import.
   sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:  # molt bench: FA kernels not carried/' \
-    /tmp/molt-site/vllm/vllm_flash_attn/__init__.py
+    /tmp/molt-site.partial/vllm/vllm_flash_attn/__init__.py
+  mv /tmp/molt-site.partial /tmp/molt-site
 fi
 root=$PWD
 export PYTHONPATH=$root/bench/gpu_router:/tmp/molt-site:$root/libs/molt-core/src:$root/libs/molt-proto/src:$root/libs/molt-algos/src:$root/services/rollout-router/src

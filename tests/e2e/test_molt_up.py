@@ -31,7 +31,7 @@ from molt.v1 import common_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 7  # not a multiple of 3: the last step is refitted too
 
 
 def cadence(every: int) -> dict[str, str]:
@@ -129,13 +129,13 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
     assert code == 0, log_tail(out, 60)
 
     # The learner trained STEPS steps; the engines were refitted before the first (the learner's weights
-    # as they are, version 0) and after every ``every``-th one, each refit validated (a refit is published
-    # only when coverage and checksums hold; the probe where it ran).
+    # as they are, version 0), after every ``every``-th one and after the last, each refit validated (a
+    # refit is published only when coverage and checksums hold; the probe where it ran).
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     broadcaster = log_records(run_dir / "logs" / "broadcaster.log")
     published = [r for r in broadcaster if r.get("message") == "refit published"]
-    versions = list(range(0, STEPS + 1, every))
+    versions = sorted({*range(0, STEPS + 1, every), STEPS})  # every ``every``-th step, and the last
     assert [r["version"] for r in published] == versions
     probed = [r for r in published if r["probe_max_abs_diff"] is not None]
     assert [r["version"] for r in probed] == versions[::2]  # the 1st, 3rd, ... refit

@@ -127,15 +127,18 @@ def test_a_plain_call_past_its_timeout_is_given_up_and_counted_until_it_returns(
     assert overrunning() == before
 
 
-def test_an_ended_episodes_thread_serves_a_later_episode_but_not_while_its_call_overruns() -> None:
+def test_an_ended_episodes_thread_serves_a_later_episode_but_not_while_its_call_overruns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_Worker, "idle", [])  # none kept from other tests: this test's threads only
     release = threading.Event()
     before = overrunning()
 
     async def handed_back(thread: AgentThread) -> None:
-        kept = len(_Worker.idle)
+        worker = thread._worker
         thread.close()
         for _ in range(500):  # the thread returns itself to the kept ones once its last call has returned
-            if len(_Worker.idle) > kept:
+            if worker in _Worker.idle:
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("the closed episode's thread was not kept")
@@ -151,13 +154,15 @@ def test_an_ended_episodes_thread_serves_a_later_episode_but_not_while_its_call_
         second = await episode_thread()  # the first one's thread, handed back (the same Thread object)
         stuck = AgentThread()
         stuck_on = await stuck.call(threading.current_thread)
-        with pytest.raises(TimeoutError):
-            await within(stuck.call(release.wait), 0.2)
-        stuck.close()  # its episode ended; the thread is still in release.wait
-        during = AgentThread()
-        during_on = await within(during.call(threading.current_thread), 5)  # not queued behind the overrun
-        during.close()
-        release.set()
+        try:
+            with pytest.raises(TimeoutError):
+                await within(stuck.call(release.wait), 0.2)
+            stuck.close()  # its episode ended; the thread is still in release.wait
+            during = AgentThread()
+            during_on = await within(during.call(threading.current_thread), 5)  # not queued behind the overrun
+            during.close()
+        finally:
+            release.set()
         for _ in range(200):
             if overrunning() == before:
                 break

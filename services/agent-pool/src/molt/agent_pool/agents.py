@@ -12,7 +12,8 @@ Two shapes, chosen in the recipe by ``agent = "package.module:Class"`` or
 
 Both may be written with plain or ``async`` methods. An ``async`` method runs on
 the pool's event loop; plain ones run on a thread of their own per episode (with
-the constructor), so a blocking call stalls only its episode. A plain
+the constructor), so a blocking call stalls only its episode. Threads are reused by
+later episodes once theirs ended, so thread-local state can outlive an episode. A plain
 ``ChatAgent.run`` gets the SDKs' sync clients (``openai.OpenAI``). One instance
 serves one episode (molt creates a fresh one per episode), so instance state is
 safe; state shared across episodes must be thread-safe when methods are plain.

@@ -126,7 +126,10 @@ class LearnerSettings(ServiceSettings):
     refit_every: int = Field(
         0,
         ge=0,
-        description="Refit the engines through the weight-broadcaster every N steps; 0 = never (no broadcaster).",
+        description=(
+            "Refit the engines through the weight-broadcaster every N steps and at max_steps; 0 = never "
+            "(no broadcaster)."
+        ),
     )
     refit_bucket_bytes: int = Field(
         512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes."

@@ -129,7 +129,10 @@ class WeightPublisher:
         log.info("registered with the weight-broadcaster", extra={"rendezvous": reply.rendezvous_address})
 
     def wants(self, step: int) -> bool:
-        return self.settings.refit_every > 0 and step % self.settings.refit_every == 0
+        """Every ``refit_every`` steps, and at the run's last step (``max_steps``), so that the engines end
+        up serving the weights the run trained, not those of the last multiple of ``refit_every``."""
+        every, last = self.settings.refit_every, self.settings.max_steps
+        return every > 0 and (step % every == 0 or step == last)
 
     def __call__(self, step: int, model: nn.Module, version: int | None = None) -> None:
         """Publishes ``model``'s weights as those of ``step`` at ``version`` (default ``step``) when
