@@ -42,12 +42,12 @@ def main() -> int:
     root = Path(__file__).resolve().parent.parent
     files = source_files(root)
     if not files:
-        print("check_shape: no source file found", file=sys.stderr)
+        sys.stderr.write("check_shape: no source file found\n")
         return 1
     found = [line for path in files for line in breaches(path, root)]
     for line in found:
-        print(line, file=sys.stderr)
-    print(f"check_shape: {len(files)} files, {len(found)} breaches", file=sys.stderr)
+        sys.stderr.write(line + "\n")
+    sys.stderr.write(f"check_shape: {len(files)} files, {len(found)} breaches\n")
     return 1 if found else 0
 
 

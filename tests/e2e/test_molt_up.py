@@ -40,8 +40,7 @@ def cadence(every: int) -> dict[str, str]:
     staleness = "1" if every == 1 else "4"
     return {
         "learner.refit_every": str(every),
-        "learner.max_staleness": staleness,
-        "agent_pool.max_staleness": staleness,
+        "rollout.max_staleness": staleness,
     }
 
 

@@ -28,7 +28,11 @@ def rank_main(rank: int, model: str, port: int, queue: mp.Queue) -> None:
     torch.set_num_threads(1)
     init_group(info, "127.0.0.1", port)
     settings = LearnerSettings(
-        model_path=model, metrics_port=0, group_size=3, groups_per_step=1, micro_batch_tokens=16, cpu_threads=1
+        model_path=model,
+        metrics_port=0,
+        rollout={"group_size": 3, "groups_per_step": 1},
+        micro_batch_tokens=16,
+        cpu_threads=1,
     )
     trainer = Trainer(settings, info)
     bad = step_batch({"bad": [1.0, 0.0, 0.5]})

@@ -27,7 +27,7 @@ from molt.agent_pool.pool import PromptSource, RolloutPool
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.service import VersionWatch, env_runner
 from molt.core.queue import TrajectoryQueue
-from molt.core.testing import RedisServer, ServiceProcess, free_port, scrape
+from molt.core.testing import RedisServer, ServiceProcess, free_port, nest_rollout, scrape
 from molt.learner.synthetic import named_group
 from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -70,7 +70,7 @@ def settings(tmp_path: Path, router: Any, redis_url: str, **overrides: Any) -> A
         "max_tokens": 24,
         "metrics_port": 0,
     }
-    return AgentPoolSettings(**(values | overrides))
+    return AgentPoolSettings(**nest_rollout(values | overrides))
 
 
 def bump_router_version(address: str, by: int = 1) -> int:
@@ -369,7 +369,7 @@ def one_group_per_version(tmp_path: Path, router: Any, redis_url: str) -> tuple[
     cfg = settings(tmp_path, router, redis_url, group_size=2, groups_in_flight=4, groups_per_step=1)
     env = load_agent(cfg.agent)
     assert issubclass(env, Env)
-    return cfg.model_copy(update={"max_staleness": 0}), env
+    return cfg.model_copy(update=nest_rollout({"max_staleness": 0}, cfg.rollout)), env
 
 
 async def pool_parts(

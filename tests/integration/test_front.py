@@ -434,7 +434,7 @@ def run_chat_pool(
         agent=f"{REPO}/recipes/agents/openai_agent.py:OpenAIArithmetic",
         prompts_path=REPO / "recipes/data/arithmetic-train.jsonl",
         tokenizer_path=router.model_path,
-        group_size=2,
+        rollout={"group_size": 2},
         max_tokens=8,
         metrics_port=0,
     )

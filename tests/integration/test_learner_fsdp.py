@@ -52,8 +52,7 @@ def run_one_step(
         placement="ray" if ray_address else "local",
         ray_address=ray_address,
         cpu_threads=1,
-        group_size=3,
-        groups_per_step=1,
+        rollout={"group_size": 3, "groups_per_step": 1},
         # One sample per micro-batch: rank 0 trains two, rank 1 one plus an empty micro-batch, in which
         # it must still join FSDP's collectives (Trainer._idle_backward).
         micro_batch_tokens=16,
@@ -145,6 +144,10 @@ run_id = "{run_id}"
 redis_url = "{redis_url}"
 run_dir = "{tmp_path / "run"}"
 
+[rollout]
+group_size = 3
+groups_per_step = 1
+
 [learner]
 model_path = "{tiny_model}"
 listen = "{address}"
@@ -153,8 +156,6 @@ data_parallel_size = 2
 placement = "ray"
 ray_address = "{ray_head}"
 cpu_threads = 1
-group_size = 3
-groups_per_step = 1
 micro_batch_tokens = 64
 checkpoint_every = 100
 poll_s = 0.1

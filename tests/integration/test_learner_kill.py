@@ -40,14 +40,16 @@ run_id = "{RUN_ID}"
 redis_url = "{redis_url}"
 run_dir = "{tmp_path / "run"}"
 
+[rollout]
+group_size = 4
+groups_per_step = 2
+max_staleness = 100
+
 [learner]
 model_path = "{model}"
 listen = "127.0.0.1:{port}"
 metrics_port = 0
-group_size = 4
-groups_per_step = 2
 checkpoint_every = 2
-max_staleness = 100
 micro_batch_tokens = 64
 poll_s = 0.1
 status_every_s = 1.0

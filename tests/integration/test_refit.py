@@ -34,7 +34,7 @@ from molt.agent_pool.service import VersionWatch
 from molt.core.config import RunSettings
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import error_info
-from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port, scrape
+from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port, nest_rollout, scrape
 from molt.core.tiny_model import build
 from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import LearnerSettings
@@ -521,16 +521,19 @@ def test_a_learner_restarted_behind_the_engines_numbers_on_after_them(stack: dic
     serve again: only then do trajectories come. Its steps 3 and 4 follow as the versions after
     that, and the checkpoint carries the new numbering into the next restart."""
     settings = stack["settings"].model_copy(
-        update={
-            "run": RunSettings(run_id=RUN_ID, redis_url=stack["redis"], run_dir=tmp_path / "run"),
-            "group_size": 4,
-            "groups_per_step": 1,
-            "max_steps": 4,
-            "poll_s": 0.1,
-            "metrics_port": 0,
-            "refit_probe_every": 1,
-            "max_staleness": 4,
-        }
+        update=nest_rollout(
+            {
+                "run": RunSettings(run_id=RUN_ID, redis_url=stack["redis"], run_dir=tmp_path / "run"),
+                "group_size": 4,
+                "groups_per_step": 1,
+                "max_steps": 4,
+                "poll_s": 0.1,
+                "metrics_port": 0,
+                "refit_probe_every": 1,
+                "max_staleness": 4,
+            },
+            stack["settings"].rollout,
+        )
     )
     publisher = WeightPublisher(settings, vocab_size=320)
     state_b, probe_b = gather_for_refit(load(stack["model_b"]), publisher.probe)

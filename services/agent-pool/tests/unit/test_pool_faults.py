@@ -22,7 +22,7 @@ from molt.agent_pool.episodes import Episode, _messages, _reward
 from molt.agent_pool.pool import PromptSource, RolloutPool
 from molt.agent_pool.transcript import Segment
 from molt.core.queue import TrajectoryQueue
-from molt.core.testing import free_port
+from molt.core.testing import free_port, nest_rollout
 
 REPO = Path(__file__).resolve().parents[4]
 RUN = "pool-faults"
@@ -38,7 +38,7 @@ def make_settings(tmp_path: Path, tiny_model: Path, **overrides: Any) -> AgentPo
         "groups_in_flight": 1,
         "metrics_port": 0,
     }
-    return AgentPoolSettings(**(values | overrides))
+    return AgentPoolSettings(**nest_rollout(values | overrides))
 
 
 async def one_episode(prompt: Prompt) -> Episode:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from molt.core.testing import nest_rollout
 from molt.learner.config import LearnerSettings
 
 SettingsFactory = Callable[..., LearnerSettings]
@@ -27,6 +28,6 @@ def learner_settings(tiny_model: Path, tmp_path: Path) -> SettingsFactory:
             "groups_per_step": 2,
         }
         values.update(overrides)
-        return LearnerSettings(**values)
+        return LearnerSettings(**nest_rollout(values))
 
     return build

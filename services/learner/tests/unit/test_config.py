@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from molt.core.errors import ConfigError
+from molt.core.testing import nest_rollout
 from molt.learner.config import LearnerSettings, check_sound, unsound_settings
 
 
 def settings(**values: Any) -> LearnerSettings:
-    return LearnerSettings(model_path=Path("models/tiny"), **values)
+    return LearnerSettings(model_path=Path("models/tiny"), **nest_rollout(values))
 
 
 def test_defaults_are_sound() -> None:
@@ -49,14 +50,18 @@ def test_unsound_settings_fail_fast_with_the_reason(values: dict[str, Any], reas
 
 
 def test_on_policy_without_is_and_a_single_sample_reinforce_are_sound() -> None:
-    on_policy = settings(max_staleness=0, algorithm={"importance_sampling": {"level": "off"}})
+    on_policy = settings(max_staleness=0, partial_rollout=False, algorithm={"importance_sampling": {"level": "off"}})
     assert unsound_settings(on_policy) == []
     assert unsound_settings(settings(group_size=1, algorithm={"estimator": "reinforce"})) == []
     distill = {"estimator": "on_policy_distill", "teacher_path": "teacher"}
     assert unsound_settings(settings(group_size=1, algorithm=distill)) == []
     assert (
         unsound_settings(
-            settings(rollout={"top_p": 0.9}, max_staleness=0, algorithm={"importance_sampling": {"level": "off"}})
+            settings(
+                rollout={"top_p": 0.9, "partial_rollout": False},
+                max_staleness=0,
+                algorithm={"importance_sampling": {"level": "off"}},
+            )
         )
         == []
     )

@@ -5,19 +5,21 @@ from __future__ import annotations
 import pytest
 
 from molt.core.errors import InvalidInput
+from molt.core.rollout import RolloutSettings
 from molt.router.config import SamplingSettings
-from molt.router.sampling import ModelLimits, RequestedSampling, check_prompt, resolve
+from molt.router.sampling import FROM_ROLLOUT, ModelLimits, RequestedSampling, check_prompt, resolve
 
 LIMITS = ModelLimits(vocab_size=320, max_model_len=100)
-CONFIG = SamplingSettings(temperature=0.8, top_p=1.0, max_tokens_default=16, max_tokens_cap=64)
+CONFIG = SamplingSettings(max_tokens_default=16, max_tokens_cap=64)
+ROLLOUT = RolloutSettings(temperature=0.8, top_p=1.0)  # temperature, top_p and top_k: the shared [rollout] table
 
 
 def test_protected_values_come_from_config() -> None:
-    resolved = resolve(RequestedSampling(max_tokens=10, seed=3, sample_count=2), CONFIG, 5, LIMITS)
+    resolved = resolve(RequestedSampling(max_tokens=10, seed=3, sample_count=2), CONFIG, ROLLOUT, 5, LIMITS)
     s = resolved.sampling
     assert (s.temperature, s.top_p, s.max_tokens, s.seed, s.sample_count) == (0.8, 1.0, 10, 3, 2)
-    assert resolve(RequestedSampling(), CONFIG, 5, LIMITS).sampling.max_tokens == 16  # default
-    assert resolve(RequestedSampling(temperature=0.8), CONFIG, 5, LIMITS).ignored == ()  # same value is fine
+    assert resolve(RequestedSampling(), CONFIG, ROLLOUT, 5, LIMITS).sampling.max_tokens == 16  # default
+    assert resolve(RequestedSampling(temperature=0.8), CONFIG, ROLLOUT, 5, LIMITS).ignored == ()  # same value is fine
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"])
@@ -25,19 +27,19 @@ def test_override_rejected_or_ignored(field: str) -> None:
     value = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2}[field]
     requested = RequestedSampling(**{field: value})
     with pytest.raises(InvalidInput, match=f"sampling_params.{field} is protected") as info:
-        resolve(requested, CONFIG, 5, LIMITS)
+        resolve(requested, CONFIG, ROLLOUT, 5, LIMITS)
     assert info.value.reason == "PROTECTED_SAMPLING_OVERRIDE"
     lenient = CONFIG.model_copy(update={"on_protected_override": "ignore"})
-    resolved = resolve(requested, lenient, 5, LIMITS)
+    resolved = resolve(requested, lenient, ROLLOUT, 5, LIMITS)
     assert resolved.ignored == (field,)
-    assert getattr(resolved.sampling, field) == getattr(CONFIG, field)
+    assert getattr(resolved.sampling, field) == getattr(ROLLOUT if field in FROM_ROLLOUT else CONFIG, field)
 
 
 def test_max_tokens_cap_and_context() -> None:
     with pytest.raises(InvalidInput, match=r"max_tokens 65 is outside \[0, 64\]"):
-        resolve(RequestedSampling(max_tokens=65), CONFIG, 5, LIMITS)
+        resolve(RequestedSampling(max_tokens=65), CONFIG, ROLLOUT, 5, LIMITS)
     # The budget is cut to what the context leaves; the sample then ends with LENGTH.
-    assert resolve(RequestedSampling(max_tokens=64), CONFIG, 90, LIMITS).sampling.max_tokens == 10
+    assert resolve(RequestedSampling(max_tokens=64), CONFIG, ROLLOUT, 90, LIMITS).sampling.max_tokens == 10
 
 
 def test_prompt_checks() -> None:
@@ -63,4 +65,4 @@ def test_other_sampling_bounds() -> None:
         (RequestedSampling(stop_strings=("",)), "stop_strings"),
     ):
         with pytest.raises(InvalidInput, match=words):
-            resolve(requested, CONFIG, 5, LIMITS)
+            resolve(requested, CONFIG, ROLLOUT, 5, LIMITS)

@@ -150,47 +150,28 @@ def refit_problems(refit_every: int, max_staleness: int, max_steps: int) -> list
     if refit_every == 0 and (max_steps == 0 or max_staleness < max_steps):
         return [
             f"learner.refit_every = 0 never sends the engines new weights: every sample stays at version 0 and is "
-            f"older than learner.max_staleness = {max_staleness} from step {max_staleness + 1} on, so the run "
+            f"older than rollout.max_staleness = {max_staleness} from step {max_staleness + 1} on, so the run "
             f"stalls there; set refit_every >= 1"
         ]
     if refit_every > 1 and max_staleness < refit_every - 1:
         return [
             f"learner.refit_every = {refit_every}: samples are up to {refit_every - 1} versions old between refits, "
-            f"more than learner.max_staleness = {max_staleness} allows, so the run stalls; set max_staleness >= "
+            f"more than rollout.max_staleness = {max_staleness} allows, so the run stalls; set max_staleness >= "
             f"{refit_every - 1} or refit more often"
         ]
     return []
 
 
 def check_recipe(recipe: Recipe) -> list[str]:
-    """What makes the recipe's services disagree with each other or the launcher (empty = consistent).
+    """What makes the recipe unsound or inconsistent with the launcher (empty = runnable).
 
-    The learner mirrors values that the router and agent-pool own (it cannot ask them at start-up);
-    a mismatch trains silently wrong, so it is refused here rather than discovered in the curves.
+    Values several services share come from one [rollout] table, so the services cannot disagree;
+    what is checked here is whether the learner would train on wrongly weighted data, whether refits
+    keep up with the staleness bound, and what the launcher itself needs.
     """
-    learner, pool, router, broadcaster = recipe.learner, recipe.agent_pool, recipe.router, recipe.broadcaster
-    mirrors = [
-        ("learner.group_size", learner.group_size, "agent_pool.group_size", pool.group_size),
-        ("learner.groups_per_step", learner.groups_per_step, "agent_pool.groups_per_step", pool.groups_per_step),
-        ("learner.max_staleness", learner.max_staleness, "agent_pool.max_staleness", pool.max_staleness),
-        (
-            "learner.rollout.temperature",
-            learner.rollout.temperature,
-            "router.sampling.temperature",
-            router.sampling.temperature,
-        ),
-        ("learner.rollout.top_p", learner.rollout.top_p, "router.sampling.top_p", router.sampling.top_p),
-        ("learner.rollout.top_k", learner.rollout.top_k, "router.sampling.top_k", router.sampling.top_k),
-        (
-            "learner.rollout.partial_rollout",
-            learner.rollout.partial_rollout,
-            "(broadcaster.pause_mode == 'keep')",
-            broadcaster.pause_mode == "keep",
-        ),
-    ]
-    problems = [f"{a} = {va!r} but {b} = {vb!r}" for a, va, b, vb in mirrors if va != vb]
-    problems += unsound_settings(learner.model_copy(update={"mode": "rl"}))
-    problems += refit_problems(learner.refit_every, learner.max_staleness, learner.max_steps)
+    learner = recipe.learner
+    problems = unsound_settings(learner.model_copy(update={"mode": "rl"}))
+    problems += refit_problems(learner.refit_every, learner.rollout.max_staleness, learner.max_steps)
     if recipe.launcher.sft_warmup and learner.sft is None:
         problems.append("[launcher] sft_warmup = true needs a [learner.sft] table with data_path")
     if recipe.launcher.nodes > 1 and recipe.launcher.ray_address is None:

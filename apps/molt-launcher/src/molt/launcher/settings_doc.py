@@ -17,7 +17,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from molt.core.config import RunSettings
+from molt.core.config import SHARED_TABLES, RunSettings
+from molt.core.rollout import RolloutSettings
 from molt.launcher.recipe import SERVICES, LauncherSettings
 
 HEADER = """# Configuration reference
@@ -28,7 +29,8 @@ model_path = ...`); `molt up --set table.key=value` overrides one; a service sta
 also reads `MOLT_<SERVICE>_<KEY>` environment variables (nested keys joined by `__`, e.g.
 `MOLT_ROUTER_ENGINE__WAIT=spin`) and its own CLI flags (`--engine.wait spin`), which win over
 the recipe. `[launcher]` comes from the recipe and `--set` only. Every service refuses unknown
-keys.
+keys. `[run]` and `[rollout]` are shared: every service reads them, so one recipe cannot disagree
+with itself (services started from separate files compare `[rollout]` when they meet).
 """
 
 
@@ -75,8 +77,8 @@ def _tables(model: type[BaseModel], table: str, optional: bool = False) -> Itera
     rows: list[str] = []
     nested: list[tuple[type[BaseModel], str, bool]] = []
     for name, field in model.model_fields.items():
-        if name == "run" and table != "run":
-            continue  # the shared [run] table, listed once
+        if name in SHARED_TABLES and "." not in table and table not in SHARED_TABLES:
+            continue  # the shared [run] and [rollout] tables, listed once
         inner, inner_optional = _nested_model(field.annotation)
         if inner is not None:
             nested.append((inner, f"{table}.{name}", inner_optional))
@@ -91,7 +93,7 @@ def _tables(model: type[BaseModel], table: str, optional: bool = False) -> Itera
 
 def render() -> str:
     """The whole reference as markdown."""
-    sections: list[tuple[str, type[BaseModel]]] = [("run", RunSettings)]
+    sections: list[tuple[str, type[BaseModel]]] = [("run", RunSettings), ("rollout", RolloutSettings)]
     sections += [(table, cls) for table, (cls, _) in SERVICES.items()]
     sections.append(("launcher", LauncherSettings))
     out = [HEADER]

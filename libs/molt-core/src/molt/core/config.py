@@ -6,7 +6,8 @@ it from four layers, highest first:
 
 1. CLI flags (``--engine.tensor_parallel_size 2``),
 2. environment variables (``MOLT_ROUTER_ENGINE__TENSOR_PARALLEL_SIZE=2``),
-3. the service's table of a TOML recipe (``[router]``), plus the shared ``[run]`` table,
+3. the service's table of a TOML recipe (``[router]``), plus the shared ``[run]`` and ``[rollout]``
+   tables (``molt.core.rollout``: the values every service must agree on),
 4. the defaults in the class.
 
 The merge happens here, in one place, and validation errors name the key and
@@ -27,9 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, PydanticBaseSettingsSource
 
 from molt.core.errors import ConfigError
+from molt.core.rollout import RolloutSettings, moved_keys
 
-# Top-level tables a recipe may have: the shared run table, one per service, the launcher's.
-RECIPE_TABLES = ("run", "router", "agent_pool", "learner", "broadcaster", "launcher")
+# Top-level tables a recipe may have: the shared run and rollout tables, one per service, the launcher's.
+SHARED_TABLES = ("run", "rollout")
+RECIPE_TABLES = (*SHARED_TABLES, "router", "agent_pool", "learner", "broadcaster", "launcher")
 
 
 class RunSettings(BaseModel):
@@ -58,6 +61,9 @@ class ServiceSettings(BaseSettings):
     model_config = ConfigDict(frozen=True, extra="forbid")  # type: ignore[assignment]
 
     run: RunSettings = Field(default_factory=RunSettings, description="Shared run settings (the [run] table).")
+    rollout: RolloutSettings = Field(
+        default_factory=RolloutSettings, description="What every service of the run agrees on (the [rollout] table)."
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -86,6 +92,24 @@ def read_recipe(path: Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"recipe {path}: unknown table(s) {unknown}; allowed: {list(RECIPE_TABLES)}")
     return data
+
+
+def with_shared_tables(section: str, tables: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe's ``[section]`` table with the shared ``[run]`` and ``[rollout]`` tables inside it.
+
+    A service table that holds a ``rollout`` table of its own (the learner's old ``[learner.rollout]``)
+    is refused: those values are the shared table's now, and merging would hide one of the two.
+    """
+    own = dict(tables.get(section, {}))
+    if "rollout" in own:
+        raise ConfigError(
+            f"invalid {section} settings: [{section}.rollout] moved to the top-level [rollout] table, "
+            "which every service reads"
+        )
+    for name in SHARED_TABLES:
+        if name in tables:
+            own[name] = tables[name]
+    return own
 
 
 def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -140,9 +164,7 @@ def load_settings(
     recipe: dict[str, Any] = {}
     if namespace.config is not None:
         tables = read_recipe(namespace.config)
-        recipe = dict(tables.get(section, {}))
-        if "run" in tables:
-            recipe["run"] = tables["run"]
+        recipe = with_shared_tables(section, tables)
     env_source = EnvSettingsSource(
         cls, env_prefix=f"MOLT_{section.upper()}_", env_nested_delimiter="__", case_sensitive=False
     )
@@ -152,10 +174,9 @@ def load_settings(
 
     layers = [("command line", cli), ("environment", env), (f"recipe [{section}]", recipe)]
     if overrides:
-        given = dict(overrides.get(section, {}))
-        if "run" in overrides:
-            given["run"] = overrides["run"]
+        given = with_shared_tables(section, overrides)
         layers.insert(2, ("--set", given))  # the same values as the recipe's: only what errors name changes
+    moved_keys(section, layers, environ if environ is not None else os.environ)
     merged: dict[str, Any] = {}
     for _, layer in reversed(layers):
         merged = _merge(merged, layer)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from molt.core.processes import RedisServer, ServiceProcess, free_port, start_ray_head
+from molt.core.rollout import RolloutSettings
 from molt.core.tiny_model import build
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "RedisServer",
     "ServiceProcess",
     "free_port",
+    "nest_rollout",
     "ray_head",
     "redis_client",
     "redis_server",
@@ -85,3 +88,17 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield address
     head.stop(timeout_s=60)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def nest_rollout(values: Mapping[str, Any], base: RolloutSettings | None = None) -> dict[str, Any]:
+    """Settings values written flat (``group_size=2``) with the ``[rollout]`` keys among them gathered into
+    ``values["rollout"]`` over ``base``: a ``RolloutSettings``, so the result suits a settings class and
+    ``model_copy(update=...)`` alike."""
+    rest = {key: value for key, value in values.items() if key not in RolloutSettings.model_fields}
+    flat = {key: value for key, value in values.items() if key in RolloutSettings.model_fields}
+    given = rest.pop("rollout", {})
+    if not flat and not given and base is None:
+        return rest
+    given = given.model_dump() if isinstance(given, RolloutSettings) else dict(given)
+    rest["rollout"] = RolloutSettings(**{**(base.model_dump() if base else {}), **given, **flat})
+    return rest

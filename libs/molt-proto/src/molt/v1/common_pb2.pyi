@@ -155,6 +155,61 @@ class SamplingParams(_message.Message):
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
+class RolloutSettings(_message.Message):
+    """The values every service of one run must agree on (a recipe's [rollout] table). Each service
+    reports its copy (GetRouterStatus, GetPolicyVersion, GetRunSettings); a service that connects
+    to another compares the two and refuses to run when they differ.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    GROUPS_PER_STEP_FIELD_NUMBER: _builtins.int
+    MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    PARTIAL_ROLLOUT_FIELD_NUMBER: _builtins.int
+    QUEUE_MAX_LENGTH_FIELD_NUMBER: _builtins.int
+    group_size: _builtins.int
+    """Samples (episodes) per prompt, >= 1; advantages are taken per group."""
+    groups_per_step: _builtins.int
+    """Trajectory groups per optimizer step, >= 1; producers pace on it."""
+    max_staleness: _builtins.int
+    """Policy versions a sample may lag behind the learner, >= 0. Group k of a producer starts only
+    once the policy version is k / groups_per_step - max_staleness.
+    """
+    temperature: _builtins.float
+    """Sampling temperature, > 0."""
+    top_p: _builtins.float
+    """Nucleus mass, (0, 1]."""
+    top_k: _builtins.int
+    """Top-k cut; -1 means none."""
+    partial_rollout: _builtins.bool
+    """True: a refit keeps in-flight requests, which resume under the new weights; false: drained."""
+    queue_max_length: _builtins.int
+    """Bound of the trajectory queue (groups not yet acknowledged) every producer must use."""
+    def __init__(
+        self,
+        *,
+        group_size: _builtins.int = ...,
+        groups_per_step: _builtins.int = ...,
+        max_staleness: _builtins.int = ...,
+        temperature: _builtins.float = ...,
+        top_p: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        partial_rollout: _builtins.bool = ...,
+        queue_max_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "groups_per_step", b"groups_per_step", "max_staleness", b"max_staleness", "partial_rollout", b"partial_rollout", "queue_max_length", b"queue_max_length", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutSettings: _TypeAlias = RolloutSettings  # noqa: Y015
+
+@_typing.final
 class PolicyVersion(_message.Message):
     """A version of the trained policy's weights. Version 0 is the initial weights;
     a validated refit publishes a newer one: the learner step whose weights it

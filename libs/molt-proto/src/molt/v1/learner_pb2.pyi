@@ -10,6 +10,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from molt.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -129,6 +130,65 @@ class GetLearnerStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetLearnerStatusResponse: _TypeAlias = GetLearnerStatusResponse  # noqa: Y015
+
+@_typing.final
+class GetRunSettingsRequest(_message.Message):
+    """Request of GetRunSettings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunSettingsRequest: _TypeAlias = GetRunSettingsRequest  # noqa: Y015
+
+@_typing.final
+class GetRunSettingsResponse(_message.Message):
+    """Response of GetRunSettings: the settings an agent-pool of any implementation reads at start-up
+    (docs/custom-agent-pool.md), so that nothing is copied from the recipe by hand.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REDIS_URL_FIELD_NUMBER: _builtins.int
+    TRAJECTORY_STREAM_KEY_FIELD_NUMBER: _builtins.int
+    SEEN_SET_KEY_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run's name; it namespaces the Redis keys (molt:<run_id>:...)."""
+    redis_url: _builtins.str
+    """The Redis server holding the trajectory queue, as the learner reaches it."""
+    trajectory_stream_key: _builtins.str
+    """The Redis stream a producer appends TrajectoryGroup messages to (docs/queue.md)."""
+    seen_set_key: _builtins.str
+    """The Redis set of trajectory ids already accepted (a producer's duplicate check)."""
+    @_builtins.property
+    def rollout(self) -> _common_pb2.RolloutSettings:
+        """The learner's [rollout] table: group size, groups per step, staleness bound, queue bound, sampling."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        redis_url: _builtins.str = ...,
+        trajectory_stream_key: _builtins.str = ...,
+        seen_set_key: _builtins.str = ...,
+        rollout: _common_pb2.RolloutSettings | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rollout", b"rollout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["redis_url", b"redis_url", "rollout", b"rollout", "run_id", b"run_id", "seen_set_key", b"seen_set_key", "trajectory_stream_key", b"trajectory_stream_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunSettingsResponse: _TypeAlias = GetRunSettingsResponse  # noqa: Y015
 
 @_typing.final
 class SaveCheckpointRequest(_message.Message):

@@ -50,6 +50,11 @@ class LearnerServiceStub:
                 request_serializer=molt_dot_v1_dot_learner__pb2.StopLearnerRequest.SerializeToString,
                 response_deserializer=molt_dot_v1_dot_learner__pb2.StopLearnerResponse.FromString,
                 _registered_method=True)
+        self.GetRunSettings = channel.unary_unary(
+                '/molt.v1.LearnerService/GetRunSettings',
+                request_serializer=molt_dot_v1_dot_learner__pb2.GetRunSettingsRequest.SerializeToString,
+                response_deserializer=molt_dot_v1_dot_learner__pb2.GetRunSettingsResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServiceServicer:
@@ -77,6 +82,13 @@ class LearnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunSettings(self, request, context):
+        """What a producer of trajectories needs to feed this learner: the queue and the [rollout] table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_LearnerServiceServicer_to_server(servicer, server):
                     servicer.StopLearner,
                     request_deserializer=molt_dot_v1_dot_learner__pb2.StopLearnerRequest.FromString,
                     response_serializer=molt_dot_v1_dot_learner__pb2.StopLearnerResponse.SerializeToString,
+            ),
+            'GetRunSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunSettings,
+                    request_deserializer=molt_dot_v1_dot_learner__pb2.GetRunSettingsRequest.FromString,
+                    response_serializer=molt_dot_v1_dot_learner__pb2.GetRunSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class LearnerService:
             '/molt.v1.LearnerService/StopLearner',
             molt_dot_v1_dot_learner__pb2.StopLearnerRequest.SerializeToString,
             molt_dot_v1_dot_learner__pb2.StopLearnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/molt.v1.LearnerService/GetRunSettings',
+            molt_dot_v1_dot_learner__pb2.GetRunSettingsRequest.SerializeToString,
+            molt_dot_v1_dot_learner__pb2.GetRunSettingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

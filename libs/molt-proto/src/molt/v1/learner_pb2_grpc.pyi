@@ -41,6 +41,8 @@ class LearnerServiceStub:
     """Writes a checkpoint after the current optimizer step."""
     StopLearner: _grpc.UnaryUnaryMultiCallable[_learner_pb2.StopLearnerRequest, _learner_pb2.StopLearnerResponse]
     """Stops training after the current step, optionally checkpointing first."""
+    GetRunSettings: _grpc.UnaryUnaryMultiCallable[_learner_pb2.GetRunSettingsRequest, _learner_pb2.GetRunSettingsResponse]
+    """What a producer of trajectories needs to feed this learner: the queue and the [rollout] table."""
 
 @_typing.type_check_only
 class LearnerServiceAsyncStub(LearnerServiceStub):
@@ -53,6 +55,8 @@ class LearnerServiceAsyncStub(LearnerServiceStub):
     """Writes a checkpoint after the current optimizer step."""
     StopLearner: _aio.UnaryUnaryMultiCallable[_learner_pb2.StopLearnerRequest, _learner_pb2.StopLearnerResponse]  # type: ignore[assignment]
     """Stops training after the current step, optionally checkpointing first."""
+    GetRunSettings: _aio.UnaryUnaryMultiCallable[_learner_pb2.GetRunSettingsRequest, _learner_pb2.GetRunSettingsResponse]  # type: ignore[assignment]
+    """What a producer of trajectories needs to feed this learner: the queue and the [rollout] table."""
 
 class LearnerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Control and observation of a running learner."""
@@ -80,5 +84,13 @@ class LearnerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_learner_pb2.StopLearnerResponse, _abc.Awaitable[_learner_pb2.StopLearnerResponse]]:
         """Stops training after the current step, optionally checkpointing first."""
+
+    @_abc_1.abstractmethod
+    def GetRunSettings(
+        self,
+        request: _learner_pb2.GetRunSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_learner_pb2.GetRunSettingsResponse, _abc.Awaitable[_learner_pb2.GetRunSettingsResponse]]:
+        """What a producer of trajectories needs to feed this learner: the queue and the [rollout] table."""
 
 def add_LearnerServiceServicer_to_server(servicer: LearnerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

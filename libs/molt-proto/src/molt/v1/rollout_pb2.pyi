@@ -540,6 +540,7 @@ class GetRouterStatusResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_CAP_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
     """True between a PauseGeneration and the next ResumeGeneration."""
     policy_version: _builtins.int
@@ -558,6 +559,10 @@ class GetRouterStatusResponse(_message.Message):
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineStatus]:
         """Every engine, in engine_id order."""
 
+    @_builtins.property
+    def rollout(self) -> _common_pb2.RolloutSettings:
+        """The router's [rollout] table; a client of the same run compares it with its own."""
+
     def __init__(
         self,
         *,
@@ -569,10 +574,11 @@ class GetRouterStatusResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         max_model_len: _builtins.int = ...,
         max_tokens_cap: _builtins.int = ...,
+        rollout: _common_pb2.RolloutSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rollout", b"rollout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight_request_count", b"in_flight_request_count", "max_model_len", b"max_model_len", "max_tokens_cap", b"max_tokens_cap", "paused", b"paused", "policy_version", b"policy_version", "vocab_size", b"vocab_size", "waiting_request_count", b"waiting_request_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "in_flight_request_count", b"in_flight_request_count", "max_model_len", b"max_model_len", "max_tokens_cap", b"max_tokens_cap", "paused", b"paused", "policy_version", b"policy_version", "rollout", b"rollout", "vocab_size", b"vocab_size", "waiting_request_count", b"waiting_request_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

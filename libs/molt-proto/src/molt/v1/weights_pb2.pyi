@@ -339,6 +339,7 @@ class GetPolicyVersionResponse(_message.Message):
 
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     REFIT_FAILURE_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
     refit_failure: _builtins.str
     """Why the engines stay paused after a refit that failed (refused after loading on some engines, a
     probe that disagreed, a learner gone mid-refit); empty when no such failure holds them. The next
@@ -348,15 +349,20 @@ class GetPolicyVersionResponse(_message.Message):
     def policy_version(self) -> _common_pb2.PolicyVersion:
         """The current policy version."""
 
+    @_builtins.property
+    def rollout(self) -> _common_pb2.RolloutSettings:
+        """The broadcaster's [rollout] table; a learner of the same run compares it with its own."""
+
     def __init__(
         self,
         *,
         policy_version: _common_pb2.PolicyVersion | None = ...,
         refit_failure: _builtins.str = ...,
+        rollout: _common_pb2.RolloutSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "rollout", b"rollout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "refit_failure", b"refit_failure"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["policy_version", b"policy_version", "refit_failure", b"refit_failure", "rollout", b"rollout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

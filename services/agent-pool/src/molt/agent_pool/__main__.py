@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 from molt.agent_pool.config import AgentPoolSettings
-from molt.core.cli import start_service
+from molt.core.cli import refuse_on_config_error, start_service
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -15,7 +15,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from molt.agent_pool.service import serve
 
-    asyncio.run(serve(settings))
+    with refuse_on_config_error("molt-agent-pool"):
+        asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -64,25 +64,14 @@ class AgentPoolSettings(ServiceSettings):
     )
     agent: str = Field(description="The agent: 'package.module:Class' or 'path/to/file.py:Class'.")
     prompts_path: Path = Field(description="JSONL prompt dataset, one object per line.")
-    group_size: int = Field(8, ge=1, description="Samples (episodes) per prompt, n.")
     groups_in_flight: int = Field(8, ge=1, description="Prompt groups kept in flight.")
     max_concurrent_episodes: int = Field(64, ge=1, description="Episodes running at once.")
     episode_timeout_s: float = Field(
         300.0, gt=0, description="An episode running longer fails (counted, not trained on)."
     )
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        description="Group k starts only once the policy version is k // groups_per_step - max_staleness: a "
-        "group the learner trains in its slot is at most this many versions old (mirrors [learner]).",
-    )
-    groups_per_step: int = Field(8, ge=1, description="The learner's groups per optimizer step (paces production).")
     max_tokens: int = Field(256, ge=1, description="Generation budget of one turn, in tokens.")
     tokenizer_path: Path = Field(description="Tokenizer (with chat template) of the served model.")
     seed: int = Field(0, description="Seed of the prompt order.")
     autostart: bool = Field(True, description="Start producing at launch (else wait for StartRollouts).")
-    queue_max_length: int = Field(
-        1024, ge=1, description="Bound of the trajectory queue (groups not yet acknowledged)."
-    )
     filter: FilterSettings = Field(default_factory=FilterSettings, description="Dynamic filtering of groups.")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Held-out evaluation passes.")

@@ -196,8 +196,8 @@ class RolloutPool:
     def _needed_version(self) -> int:
         return (
             self.stats.start_version
-            + self.trainable_index // self.settings.groups_per_step
-            - self.settings.max_staleness
+            + self.trainable_index // self.settings.rollout.groups_per_step
+            - self.settings.rollout.max_staleness
         )
 
     async def _wait_for_learner(self) -> None:
@@ -269,7 +269,7 @@ class RolloutPool:
         metrics.GROUPS_IN_FLIGHT.inc()
         queued = False
         try:
-            results = await asyncio.gather(*(self._episode(prompt) for _ in range(self.settings.group_size)))
+            results = await asyncio.gather(*(self._episode(prompt) for _ in range(self.settings.rollout.group_size)))
             episodes = [e for e in results if e is not None]
             self.failing = 0 if episodes else self.failing + 1
             queued = await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
@@ -396,7 +396,7 @@ def build_group(
         prompt_id=prompt_id,
         run_id=run_id,
         agent_name=settings.agent,
-        sample_count=settings.group_size,
+        sample_count=settings.rollout.group_size,
         failed_sample_count=failed,
     )
     group.create_time.FromSeconds(int(time.time()))

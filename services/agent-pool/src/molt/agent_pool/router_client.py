@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from molt.core.errors import InvalidInput, MoltError, Unavailable
+from molt.core.rollout import RolloutSettings
 from molt.core.serve import KEEPALIVE, error_info
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -65,6 +66,7 @@ class RouterInfo:
     max_model_len: int
     vocab_size: int
     max_tokens_cap: int = 0  # the most max_tokens a request may ask for (0: not reported)
+    rollout: RolloutSettings | None = None  # the router's [rollout] table (None: not reported)
 
 
 # A router that restarts is reached again within seconds: gRPC's default reconnect backoff grows to 120 s,
@@ -144,4 +146,7 @@ class RouterClient:
             status = await self.stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)
         except grpc.aio.AioRpcError as exc:
             raise _to_error(exc) from exc
-        return RouterInfo(status.policy_version, status.max_model_len, status.vocab_size, status.max_tokens_cap)
+        rollout = RolloutSettings.from_proto(status.rollout) if status.HasField("rollout") else None
+        return RouterInfo(
+            status.policy_version, status.max_model_len, status.vocab_size, status.max_tokens_cap, rollout
+        )

@@ -22,6 +22,7 @@ from molt.agent_pool.pool import VERSION_POLL_S, EpisodeRunner, PromptSource, Ro
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.server import AgentPoolServicer
 from molt.agent_pool.transcript import Transcript
+from molt.core import rollout
 from molt.core.errors import Unavailable
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import KEEPALIVE, Registration, ServiceHost
@@ -164,9 +165,11 @@ async def serve(settings: AgentPoolSettings) -> None:
         runner = env_runner(agent_cls, tokenizer, router, limits)
     else:
         runner = chat_runner(agent_cls, front, base_url)
-    queue = TrajectoryQueue(
-        redis.Redis.from_url(settings.run.redis_url), settings.run.run_id, max_length=settings.queue_max_length
-    )
+    client = redis.Redis.from_url(settings.run.redis_url)
+    if info.rollout is not None:  # the router has no Redis: its clients record what it reports
+        rollout.register(client, settings.run.run_id, "rollout-router", info.rollout)
+    rollout.register(client, settings.run.run_id, "agent-pool", settings.rollout)
+    queue = TrajectoryQueue(client, settings.run.run_id, max_length=settings.rollout.queue_max_length)
     watch = VersionWatch(router)
     watch.version = info.policy_version
     watch.start(settings.broadcaster_address)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
-from molt.core.cli import start_service
-from molt.core.errors import ConfigError
+from molt.core.cli import refuse_on_config_error, start_service
 from molt.learner.config import LearnerSettings, check_sound
 
 
@@ -14,11 +12,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = start_service(LearnerSettings, "learner", "molt-learner", argv)
     if settings is None:
         return
-    try:
+    with refuse_on_config_error("molt-learner"):
         check_sound(settings)
-    except ConfigError as exc:
-        sys.stderr.write(f"molt-learner: {exc.message}\n")
-        raise SystemExit(2) from exc
     if settings.mode == "sft":
         from molt.learner.sft import run_sft
 
@@ -26,7 +21,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from molt.learner.service import launch
 
-    launch(settings)
+    with refuse_on_config_error("molt-learner"):
+        launch(settings)
 
 
 if __name__ == "__main__":

@@ -75,21 +75,6 @@ class AlgorithmSettings(BaseModel):
     )
 
 
-class RolloutMirrorSettings(BaseModel):
-    """How the rollouts were sampled: copies of the router's / agent-pool's values, which must match."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    temperature: float = Field(
-        1.0, gt=0, description="The router's [router.sampling] temperature; logits are divided by it."
-    )
-    top_p: float = Field(1.0, gt=0, le=1, description="The router's top_p; < 1 with IS correction is refused.")
-    top_k: int = Field(-1, ge=-1, description="The router's top_k (-1: none); a cut with IS correction is refused.")
-    partial_rollout: bool = Field(
-        False, description="The router keeps requests across refits, so one response can mix policy versions."
-    )
-
-
 class SFTSettings(BaseModel):
     """Supervised warm-up on chat data: loss on assistant turns only."""
 
@@ -169,8 +154,6 @@ class LearnerSettings(ServiceSettings):
         0, ge=0, le=65535, description="placement = local: rendezvous port of the ranks; 0 picks a free one."
     )
     seed: int = Field(0, description="Seed of torch / python RNGs (saved and restored with checkpoints).")
-    group_size: int = Field(8, ge=1, description="Samples per prompt, n (the agent-pool's group_size).")
-    groups_per_step: int = Field(8, ge=1, description="Trajectory groups per optimizer step.")
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget of one micro-batch (padded layout: rows x longest row)."
     )
@@ -192,23 +175,14 @@ class LearnerSettings(ServiceSettings):
         description="padded (auto): one sequence per row, plain causal attention (flash kernels on GPU); packed: "
         "sequences concatenated in one row, no padding but a dense block-diagonal mask (attention ~ total^2).",
     )
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        description="Versions a sample's oldest loss token may lag behind the learner; older samples are dropped "
-        "(unless drop_after_versions says otherwise). The agent-pool paces on the same bound (its own max_staleness).",
-    )
     drop_after_versions: int | None = Field(
         None,
         ge=0,
         description="Drop a sample whose oldest loss token is more than this many versions behind the learner; "
-        "unset: max_staleness. Under partial rollout a long response spans many refits, and a bound this tight "
-        "cuts the long tail of response lengths out of training (docs/queue.md); a larger one keeps it, the "
+        "unset: [rollout] max_staleness. Under partial rollout a long response spans many refits, and a bound "
+        "this tight cuts the long tail of response lengths out of training (docs/queue.md); a larger one keeps it, the "
         "producer's pacing on max_staleness still bounds when groups start, and importance sampling weighs the "
         "old tokens.",
-    )
-    rollout: RolloutMirrorSettings = Field(
-        default_factory=RolloutMirrorSettings, description="How rollouts were sampled."
     )
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="RL algorithm.")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="Optimizer and schedule.")
@@ -233,9 +207,9 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
     algo = settings.algorithm
     is_on = algo.importance_sampling.level != "off"
     problems: list[str] = []
-    if not is_on and (settings.max_staleness > 0 or settings.rollout.partial_rollout):
+    if not is_on and (settings.rollout.max_staleness > 0 or settings.rollout.partial_rollout):
         problems.append(
-            f"off-policy training (max_staleness = {settings.max_staleness}, partial_rollout = "
+            f"off-policy training (max_staleness = {settings.rollout.max_staleness}, partial_rollout = "
             f"{settings.rollout.partial_rollout}) needs importance-sampling correction: tokens sampled by an "
             f"older policy would be trained on as if the current one produced them; set "
             f"algorithm.importance_sampling.level, or max_staleness = 0 and partial_rollout = false"
@@ -245,10 +219,10 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
             f"importance_sampling.level = {algo.importance_sampling.level!r} accepts only mode 'mask': a "
             f"sequence ratio can only accept or reject a sequence, not rescale every token"
         )
-    if algo.estimator in GROUP_ESTIMATORS and settings.group_size < 2:
+    if algo.estimator in GROUP_ESTIMATORS and settings.rollout.group_size < 2:
         problems.append(
             f"estimator {algo.estimator!r} normalises within a prompt's group, and group_size = "
-            f"{settings.group_size} gives every sample a zero advantage; use group_size >= 2 or 'reinforce'"
+            f"{settings.rollout.group_size} gives every sample a zero advantage; use group_size >= 2 or 'reinforce'"
         )
     if is_on and settings.rollout.top_p < 1:
         problems.append(
@@ -260,11 +234,11 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
             f"rollout.top_k = {settings.rollout.top_k} with IS correction: the engine renormalises over the "
             f"top k, so its logprobs are not the policy's; use top_k = -1"
         )
-    if settings.drop_after_versions is not None and settings.drop_after_versions < settings.max_staleness:
+    if settings.drop_after_versions is not None and settings.drop_after_versions < settings.rollout.max_staleness:
         problems.append(
             f"drop_after_versions = {settings.drop_after_versions} is below max_staleness = "
-            f"{settings.max_staleness}: the producer's pacing lets samples reach max_staleness in their slot, so "
-            f"the learner would drop them, and the replacements, over and over; use >= max_staleness or unset"
+            f"{settings.rollout.max_staleness}: the producer's pacing lets samples reach max_staleness in their "
+            f"slot, so the learner would drop them, and the replacements, over and over; use >= max_staleness or unset"
         )
     if algo.estimator == "on_policy_distill" and algo.teacher_path is None:
         problems.append("estimator 'on_policy_distill' needs algorithm.teacher_path (the frozen teacher model)")

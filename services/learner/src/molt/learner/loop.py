@@ -120,7 +120,7 @@ class LearnerLoop:
         self.on_step = on_step
         # Samples whose oldest loss token is more versions behind than this are dropped as stale.
         self.drop_after = (
-            settings.max_staleness if settings.drop_after_versions is None else settings.drop_after_versions
+            settings.rollout.max_staleness if settings.drop_after_versions is None else settings.drop_after_versions
         )
 
         self.state = RunState()
@@ -198,7 +198,7 @@ class LearnerLoop:
                 self._publish_first()
             while not self._should_stop():
                 self._serve_checkpoint_requests()
-                if len(self.ready) >= self.settings.groups_per_step:
+                if len(self.ready) >= self.settings.rollout.groups_per_step:
                     self._train_one_step()
                 else:
                     self._read(clock)
@@ -216,7 +216,7 @@ class LearnerLoop:
 
     def _read(self, clock: _Clock) -> None:
         assert self.queue is not None
-        need = self.settings.groups_per_step - len(self.ready)
+        need = self.settings.rollout.groups_per_step - len(self.ready)
         if self._pending_reread:
             # After a restart, our own pending entries are re-delivered only in the first read,
             # up to its count: ask for all of them (the surplus waits in self.ready).
@@ -272,7 +272,10 @@ class LearnerLoop:
         return kept
 
     def _train_one_step(self) -> None:
-        groups, self.ready = self.ready[: self.settings.groups_per_step], self.ready[self.settings.groups_per_step :]
+        groups, self.ready = (
+            self.ready[: self.settings.rollout.groups_per_step],
+            self.ready[self.settings.rollout.groups_per_step :],
+        )
         self.settled.extend(g.entry_id for g in groups)
         samples = self._trainable(groups)
         if not samples:

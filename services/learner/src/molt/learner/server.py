@@ -11,7 +11,9 @@ import asyncio
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from molt.core.queue import QueueKeys
 from molt.core.serve import grpc_errors
+from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop
 from molt.v1 import learner_pb2, learner_pb2_grpc
 
@@ -21,8 +23,9 @@ DOMAIN = "learner"
 class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
     """Maps LearnerService calls onto the loop."""
 
-    def __init__(self, loop: LearnerLoop) -> None:
+    def __init__(self, loop: LearnerLoop, settings: LearnerSettings) -> None:
         self.loop = loop
+        self.settings = settings
 
     @grpc_errors(DOMAIN)
     async def GetLearnerStatus(
@@ -42,6 +45,19 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             stamp.FromNanoseconds(int(status.last_step_time * 1e9))
             response.last_step_time.CopyFrom(stamp)
         return response
+
+    @grpc_errors(DOMAIN)
+    async def GetRunSettings(
+        self, request: learner_pb2.GetRunSettingsRequest, context: grpc.aio.ServicerContext
+    ) -> learner_pb2.GetRunSettingsResponse:
+        keys = QueueKeys(self.settings.run.run_id)
+        return learner_pb2.GetRunSettingsResponse(
+            run_id=self.settings.run.run_id,
+            redis_url=self.settings.run.redis_url,
+            trajectory_stream_key=keys.stream,
+            seen_set_key=keys.seen_ids,
+            rollout=self.settings.rollout.to_proto(),
+        )
 
     @grpc_errors(DOMAIN)
     async def SaveCheckpoint(

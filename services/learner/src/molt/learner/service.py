@@ -22,6 +22,7 @@ import redis
 import torch
 import torch.multiprocessing as mp
 
+from molt.core import rollout
 from molt.core.log import setup_logging
 from molt.core.processes import free_port
 from molt.core.queue import TrajectoryQueue
@@ -46,6 +47,8 @@ def launch(settings: LearnerSettings, on_step: OnStep | None = None) -> None:
     run_dir = settings.run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "learner-settings.json").write_text(settings.model_dump_json(indent=2))
+    with redis.Redis.from_url(settings.run.redis_url) as client:  # ConfigError: a service of the run disagrees
+        rollout.register(client, settings.run.run_id, "learner", settings.rollout)
     if settings.placement == "ray":
         from molt.learner.placement import launch_on_ray
 
@@ -127,7 +130,9 @@ async def serve(settings: LearnerSettings, loop: LearnerLoop, handle_signals: bo
         name="learner",
         listen=settings.listen,
         registrations=[
-            Registration(learner_pb2_grpc.add_LearnerServiceServicer_to_server, LearnerServicer(loop), SERVICE_NAME)
+            Registration(
+                learner_pb2_grpc.add_LearnerServiceServicer_to_server, LearnerServicer(loop, settings), SERVICE_NAME
+            )
         ],
         metrics_port=settings.metrics_port,
     )

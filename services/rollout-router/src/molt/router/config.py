@@ -50,13 +50,13 @@ class EngineSettings(BaseModel):
 
 
 class SamplingSettings(BaseModel):
-    """Protected sampling settings: they come from here, never from a request."""
+    """Protected sampling settings: they come from here and [rollout], never from a request.
+
+    temperature, top_p and top_k live in the shared [rollout] table: the learner needs them too.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass; < 1 is refused together with IS correction.")
-    top_k: int = Field(-1, ge=-1, description="Top-k cut; -1 means none.")
     min_p: float = Field(0.0, ge=0, le=1, description="Minimum relative probability; 0 means none.")
     repetition_penalty: float = Field(1.0, gt=0, description="Repetition penalty; 1 means none.")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request leaves it 0.")
@@ -67,11 +67,13 @@ class SamplingSettings(BaseModel):
 
 
 class PauseSettings(BaseModel):
-    """Pause/resume behaviour around weight refits."""
+    """Pause/resume behaviour around weight refits.
+
+    A pause request that names no mode gets [rollout] partial_rollout's: keep when true, else drain.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    default_mode: Literal["drain", "keep"] = Field("keep", description="Mode when a pause request leaves it unset.")
     drain_timeout_s: float = Field(120.0, gt=0, description="Longest wait for in-flight requests in drain mode.")
     paused_wait_timeout_s: float = Field(
         600.0, gt=0, description="How long a request arriving while paused waits for the resume before failing."

@@ -1,7 +1,8 @@
 """Request checks and protected sampling: what a client may ask for, resolved against the router's config.
 
-The protected settings (temperature, top_p, top_k, min_p, repetition_penalty)
-come from ``[router.sampling]``; a request that sets one to another value is
+The protected settings come from the config: temperature, top_p and top_k from the
+shared ``[rollout]`` table (the learner must know them), min_p and repetition_penalty
+from ``[router.sampling]``; a request that sets one to another value is
 refused (or, with ``on_protected_override = "ignore"``, the value is ignored
 and counted). Everything here is pure so it is tested without an engine.
 """
@@ -12,9 +13,11 @@ import math
 from dataclasses import dataclass, field
 
 from molt.core.errors import InvalidInput
+from molt.core.rollout import RolloutSettings
 from molt.router.config import SamplingSettings
 
 PROTECTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+FROM_ROLLOUT = ("temperature", "top_p", "top_k")  # the learner divides by / checks these too
 MAX_TOP_LOGPROBS = 20
 MAX_SAMPLES = 64
 MAX_REQUEST_ID = 128
@@ -96,18 +99,25 @@ def check_prompt(request_id: str, prompt_token_ids: list[int], limits: ModelLimi
         )
 
 
-def resolve(requested: RequestedSampling, config: SamplingSettings, prompt_len: int, limits: ModelLimits) -> Resolved:
+def resolve(
+    requested: RequestedSampling,
+    config: SamplingSettings,
+    rollout: RolloutSettings,
+    prompt_len: int,
+    limits: ModelLimits,
+) -> Resolved:
     """Merges a request's sampling with the router's config; raises InvalidInput naming the bad field."""
     ignored: list[str] = []
+    protected = {name: getattr(rollout if name in FROM_ROLLOUT else config, name) for name in PROTECTED}
     for name in PROTECTED:
         value = getattr(requested, name)
-        if value is None or _same(value, getattr(config, name)):
+        if value is None or _same(value, protected[name]):
             continue
         if config.on_protected_override == "ignore":
             ignored.append(name)
             continue
         raise InvalidInput(
-            f"sampling_params.{name} is protected: the router's value is {getattr(config, name)}, "
+            f"sampling_params.{name} is protected: the router's value is {protected[name]}, "
             f"the request asked for {value}; leave it unset",
             reason="PROTECTED_SAMPLING_OVERRIDE",
             metadata={"field": name},
@@ -139,9 +149,9 @@ def resolve(requested: RequestedSampling, config: SamplingSettings, prompt_len: 
     max_tokens = min(requested.max_tokens or config.max_tokens_default, limits.max_model_len - prompt_len)
     sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
         min_p=config.min_p,
         repetition_penalty=config.repetition_penalty,
         stop_token_ids=requested.stop_token_ids,

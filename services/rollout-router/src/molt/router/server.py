@@ -59,7 +59,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _checked(self, request_id: str, prompt: list[int], params: common_pb2.SamplingParams) -> Sampling:
         check_prompt(request_id, prompt, self.limits)
-        resolved = resolve(requested_sampling(params), self.settings.sampling, len(prompt), self.limits)
+        resolved = resolve(
+            requested_sampling(params), self.settings.sampling, self.settings.rollout, len(prompt), self.limits
+        )
         for name in resolved.ignored:
             metrics.PROTECTED_IGNORED.labels(name).inc()
         return resolved.sampling
@@ -118,7 +120,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.PauseGenerationResponse:
         if request.mode != rollout_pb2.PAUSE_MODE_UNSPECIFIED and request.mode not in PAUSE_MODES:
             raise InvalidInput(f"unknown pause mode {request.mode}", reason="UNKNOWN_PAUSE_MODE")
-        mode = PAUSE_MODES.get(request.mode, self.settings.pause.default_mode)
+        mode = PAUSE_MODES.get(request.mode, self.settings.rollout.pause_mode)
         timeout = (
             request.drain_timeout.ToTimedelta().total_seconds()
             if request.HasField("drain_timeout")
@@ -161,4 +163,5 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             vocab_size=self.limits.vocab_size,
             max_model_len=self.limits.max_model_len,
             max_tokens_cap=self.settings.sampling.max_tokens_cap,
+            rollout=self.settings.rollout.to_proto(),
         )

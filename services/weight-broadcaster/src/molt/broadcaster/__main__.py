@@ -7,10 +7,11 @@ import os
 from collections.abc import Sequence
 
 from molt.broadcaster.config import BroadcasterSettings
-from molt.core.cli import start_service
+from molt.core.cli import refuse_on_config_error, start_service
 
 
 async def serve(settings: BroadcasterSettings) -> None:
+    from molt.broadcaster.agreement import record_rollout
     from molt.broadcaster.refit import Broadcaster
     from molt.broadcaster.server import WeightServicer
     from molt.core.serve import Registration, ServiceHost
@@ -18,6 +19,7 @@ async def serve(settings: BroadcasterSettings) -> None:
 
     broadcaster = Broadcaster(settings)
     broadcaster.start()
+    await record_rollout(settings, broadcaster.router)
     await broadcaster.restore()
     service = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
     host = ServiceHost(
@@ -41,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     ray.init(address=settings.ray_address or "auto", namespace=f"molt-{settings.run.run_id}", log_to_driver=False)
     try:
-        asyncio.run(serve(settings))
+        with refuse_on_config_error("molt-broadcaster"):
+            asyncio.run(serve(settings))
     finally:
         ray.shutdown()
 

@@ -24,7 +24,6 @@ class BroadcasterSettings(ServiceSettings):
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPU.")
     bucket_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes.")
-    pause_mode: Literal["drain", "keep"] = Field("keep", description="How the router pauses for a refit.")
     probe: bool = Field(
         True,
         description="Run the teacher-forced probe when the learner sends one (refit_probe_tokens > 0); false skips it.",

@@ -408,7 +408,7 @@ class Broadcaster:
             raise Unavailable("no engine is registered")
         self._check_probe(request, vocab_size)  # against the vocabulary the router serves now, before any pause
         mode = request.pause_mode or (
-            rollout_pb2.PAUSE_MODE_KEEP if self.settings.pause_mode == "keep" else rollout_pb2.PAUSE_MODE_DRAIN
+            rollout_pb2.PAUSE_MODE_KEEP if self.settings.rollout.partial_rollout else rollout_pb2.PAUSE_MODE_DRAIN
         )
         await self.router.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), timeout=600)
         attempt.paused = True
