@@ -47,7 +47,9 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         self, request: weights_pb2.GetPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> weights_pb2.GetPolicyVersionResponse:
         return weights_pb2.GetPolicyVersionResponse(
-            policy_version=self.broadcaster.published.version, refit_failure=self.broadcaster.paused_by_failure or ""
+            policy_version=self.broadcaster.published.version,
+            refit_failure=self.broadcaster.paused_by_failure or "",
+            rollout=self.broadcaster.settings.rollout.to_proto(),
         )
 
     @grpc_errors(DOMAIN)
