@@ -102,10 +102,11 @@ def test_service_queues_token_exact_groups(
     recipe = tmp_path / "pool.toml"
     cfg = settings(tmp_path, router, redis_server.url, listen=f"127.0.0.1:{port}", autostart=False)
     recipe.write_text(
-        f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_server.url}"\nrun_dir = "{tmp_path}"\n[agent_pool]\n'
+        f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_server.url}"\nrun_dir = "{tmp_path}"\n'
+        "[rollout]\ngroup_size = 3\n[agent_pool]\n"
         f'listen = "{cfg.listen}"\nhttp_listen = "127.0.0.1:{http_port}"\nmetrics_port = {metrics_port}\n'
         f'router_address = "{cfg.router_address}"\nagent = "{cfg.agent}"\nprompts_path = "{cfg.prompts_path}"\n'
-        f'tokenizer_path = "{cfg.tokenizer_path}"\ngroup_size = 3\nmax_tokens = 24\nautostart = false\n'
+        f'tokenizer_path = "{cfg.tokenizer_path}"\nmax_tokens = 24\nautostart = false\n'
         f'[agent_pool.eval]\nenabled = true\ndata_path = "{eval_prompts(tmp_path, 4)}"\nsamples_per_prompt = 2\n'
     )
     service = ServiceProcess(

@@ -99,8 +99,8 @@ def register(client: redis.Redis, run_id: str, service: str, settings: RolloutSe
     service's there; raises ``ConfigError`` naming both values of each disagreement.
 
     Services of one run meet here whatever files they were started from and in whatever order: the
-    later one refuses to run. A recorded entry outlives its process, so a service restarted with a
-    changed table is compared with the running ones it would disagree with.
+    later one refuses to run, and its entry is removed. A recorded entry outlives its process, so a
+    service restarted with a changed table is compared with the ones it would disagree with.
     """
     mine = {name: getattr(settings, name) for name in USED_BY[service]}
     key = run_key(run_id)
@@ -111,6 +111,7 @@ def register(client: redis.Redis, run_id: str, service: str, settings: RolloutSe
         if peer != service:
             problems += disagreements(mine, json.loads(raw), service, peer)
     if problems:
+        client.hdel(key, service)  # a service that refuses does not run: nothing of it stays to compare with
         raise ConfigError(
             f"the services of run {run_id!r} disagree on the [rollout] table (recorded in Redis {key}); start "
             "every service of a run with the same [rollout] values (or give the run a new run_id):\n  "
