@@ -1,9 +1,10 @@
 """Swapping the agent-pool: a separate program using only the gRPC contract and the queue schema feeds the learner.
 
-``custom_pool_example.py`` runs as a subprocess against the real router and a
-real Redis; it may import only the generated ``molt.v1`` stubs, grpc and redis
-(checked at run time). The learner's consumer side then reads its groups
-(``TrajectoryQueue``) and turns them into a training batch (``molt.learner.batch``).
+``examples/custom_pool.py`` runs as a subprocess against the real router, a real learner and a real
+Redis; it may import only the generated ``molt.v1`` stubs, grpc and redis (checked at run time), and
+it takes every producer setting from the learner (``GetRunSettings``): the group size below is set
+in the learner's file only. The learner trains a step on its groups; the test then reads them from
+the stream and checks the learner's view of them (``molt.learner.batch``) token for token.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,12 @@ import torch
 from transformers import AutoTokenizer
 
 from molt.core.queue import TrajectoryQueue
-from molt.core.testing import RedisServer
+from molt.core.testing import RedisServer, ServiceProcess, free_port
 from molt.learner.batch import assemble, build_group
-from molt.v1 import rollout_pb2, rollout_pb2_grpc
+from molt.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.integration
-EXAMPLE = Path(__file__).with_name("custom_pool_example.py")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_pool.py"
 RUN = "custom-pool-test"
 GROUP_SIZE = 3
 # Runs the example as its own program, then fails if it pulled in any of molt's internals.
@@ -37,6 +39,34 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 internal = sorted(m for m in sys.modules if m.startswith("molt.") and not m.startswith("molt.v1"))
 sys.exit(f"the custom pool imported molt internals: {internal}" if internal else 0)
 """
+
+
+def start_learner(tmp_path: Path, model: Path, redis_url: str) -> tuple[ServiceProcess, str]:
+    """A learner of the run that trains a step on every 2 groups and never checkpoints in the test (so
+    the groups it trained on stay in the stream, delivered and not yet acknowledged)."""
+    address = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "learner.toml"
+    config.write_text(
+        f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_url}"\nrun_dir = "{tmp_path / "run"}"\n'
+        f"[rollout]\ngroup_size = {GROUP_SIZE}\ngroups_per_step = 2\nmax_staleness = 0\npartial_rollout = false\n"
+        f'[learner]\nmodel_path = "{model}"\nlisten = "{address}"\nmetrics_port = 0\nrefit_every = 0\n'
+        "max_steps = 2\ncheckpoint_every = 100\npoll_s = 0.1\n"
+        '[learner.algorithm.importance_sampling]\nlevel = "off"\n'
+    )
+    learner = ServiceProcess(
+        [sys.executable, "-m", "molt.learner", "--config", str(config)],
+        address,
+        tmp_path / "learner.log",
+        service="molt.v1.LearnerService",
+    )
+    learner.start(timeout_s=240)
+    return learner, address
+
+
+def learner_status(address: str) -> learner_pb2.GetLearnerStatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = learner_pb2_grpc.LearnerServiceStub(channel)
+        return stub.GetLearnerStatus(learner_pb2.GetLearnerStatusRequest(), timeout=10)
 
 
 def prompts(tokenizer: Any, path: Path) -> list[dict[str, Any]]:
@@ -56,34 +86,45 @@ def prompts(tokenizer: Any, path: Path) -> list[dict[str, Any]]:
     return lines
 
 
-def test_custom_pool_groups_are_accepted_by_the_learner(
-    tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
+def test_custom_pool_groups_are_trained_on_by_the_learner(
+    tmp_path: Path, router: Any, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(router.model_path)
     lines = prompts(tokenizer, tmp_path / "prompts.jsonl")
-    args = ["--router", router.address, "--redis", redis_server.url, "--run", RUN]
-    args += ["--prompts", str(tmp_path / "prompts.jsonl"), "--group-size", str(GROUP_SIZE), "--max-tokens", "8"]
-    done = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    written = json.loads(done.stdout.strip().splitlines()[-1])["entries"]
-    assert len(written) == len(lines) and all(written)
+    learner, address = start_learner(tmp_path, tiny_model, redis_server.url)
+    try:
+        args = ["--learner", address, "--router", router.address, "--prompts", str(tmp_path / "prompts.jsonl")]
+        args += ["--max-tokens", "8", "--max-groups", str(len(lines))]
+        done = subprocess.run(
+            [sys.executable, "-c", RUNNER, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        written = json.loads(done.stdout.strip().splitlines()[-1])["entries"]
+        assert len(written) == len(lines) and all(written)
+        deadline = time.monotonic() + 120
+        while (status := learner_status(address)).step < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert status.step == 1 and status.consumed_trajectory_count == len(lines) * GROUP_SIZE
+        # Trained on, not yet acknowledged (no checkpoint yet): still in the stream to read back.
+        stream = redis_client.xrange(f"molt:{RUN}:trajectories")
+        assert [entry_id.decode() for entry_id, _ in stream] == written
+        assert TrajectoryQueue(redis_client, RUN).stats().dead_letters == 0
+    finally:
+        learner.stop()
 
     with grpc.insecure_channel(router.address) as channel:
-        status = rollout_pb2_grpc.RolloutServiceStub(channel).GetRouterStatus(rollout_pb2.GetRouterStatusRequest())
-    queue = TrajectoryQueue(redis_client, RUN, consumer="learner-0")
-    entries = queue.read(count=10)
-    assert [e.entry_id for e in entries] == written and queue.stats().dead_letters == 0
+        router_status = rollout_pb2_grpc.RolloutServiceStub(channel).GetRouterStatus(
+            rollout_pb2.GetRouterStatusRequest()
+        )
 
     samples = []
-    for entry, line in zip(entries, lines, strict=True):
-        group = entry.group
+    for (_, fields), line in zip(stream, lines, strict=True):
+        group = common_pb2.TrajectoryGroup.FromString(fields[b"group"])
         assert group.prompt_id == line["id"] and len(group.trajectories) == GROUP_SIZE
         outcome = build_group(
             group,
-            vocab_size=status.vocab_size,
-            current_version=status.policy_version,
+            vocab_size=router_status.vocab_size,
+            current_version=router_status.policy_version,
             max_staleness=0,
             consumed=set(),
             needs_groups=True,
@@ -111,4 +152,3 @@ def test_custom_pool_groups_are_accepted_by_the_learner(
     batch = assemble(samples)
     assert batch.group_ids.tolist() == [0] * GROUP_SIZE + [1] * GROUP_SIZE
     assert batch.rollout_ids.tolist() == list(range(2 * GROUP_SIZE))
-    assert queue.ack(written) == len(written)

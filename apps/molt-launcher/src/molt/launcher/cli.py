@@ -1,6 +1,7 @@
 """The ``molt`` command: ``up``, ``status``, ``down``, ``plan``.
 
-``molt up RECIPE [--run-dir D] [--set table.key=value ...]`` runs a recipe (see ``molt.launcher.up``);
+``molt up RECIPE [--run-dir D] [--set table.key=value ...] [--without agent_pool]`` runs a recipe (see
+``molt.launcher.up``; ``--without agent_pool`` leaves the pool out for a producer of your own);
 ``molt plan RECIPE`` prints where each process would go and checks that it fits, starting nothing;
 ``molt status [--run-dir D]`` and ``molt down [--run-dir D]`` act on the run recorded in
 ``D/state.json``. Errors in a recipe exit with code 2 and name the key.
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -47,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="print the placement plan and check it fits; starts nothing")
     plan.add_argument("recipe", type=Path)
     plan.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE")
+    for sub in (start, plan):
+        sub.add_argument(
+            "--without",
+            action="append",
+            default=[],
+            choices=["agent_pool"],
+            help="leave a service out ([launcher] without): your own producer feeds the learner",
+        )
     for name, text in (("status", "show a run's processes and progress"), ("down", "stop a running `molt up`")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--run-dir", type=Path, help="run directory (default: the live, else newest, run in runs/)")
@@ -55,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=900.0, help="seconds to wait for the launcher's own orderly stop"
     )
     return parser
+
+
+def _sets(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` assignments, plus ``--without`` as the ``[launcher] without`` list it stands for."""
+    return [*args.set, f"launcher.without={json.dumps(args.without)}"] if args.without else list(args.set)
 
 
 def _status(run_dir: Path) -> int:
@@ -76,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.command == "settings":
             sys.stdout.write(render_settings())
         elif args.command == "plan":
-            recipe = load_recipe(args.recipe, args.set)
+            recipe = load_recipe(args.recipe, _sets(args))
             sys.stdout.write(plan_or_raise(recipe).render(f"plan for {args.recipe}:") + "\n")
         elif args.command == "up":
-            raise SystemExit(up(load_recipe(args.recipe, args.set), args.run_dir))
+            raise SystemExit(up(load_recipe(args.recipe, _sets(args)), args.run_dir))
         elif args.command == "status":
             raise SystemExit(_status(args.run_dir or newest_run_dir()))
         else:

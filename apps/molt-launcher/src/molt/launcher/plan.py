@@ -31,7 +31,7 @@ import redis
 
 from molt.core.errors import ConfigError
 from molt.core.serve import ports_taken
-from molt.launcher.recipe import SERVICES, Recipe, is_model_dir
+from molt.launcher.recipe import Recipe, is_model_dir
 from molt.learner.config import unsound_settings
 
 
@@ -126,7 +126,7 @@ def make_plan(recipe: Recipe) -> Plan:
     if launcher.sft_warmup:
         # Runs to completion before RL starts, on rank 0's device: it reserves nothing extra.
         placements.insert(0, Placement("learner", "sft (before RL)", 0, placements[0].gpus, 0))
-    services = ["router", "broadcaster", "agent_pool"]
+    services = [name for name in ("router", "broadcaster", "agent_pool") if name in recipe.services]
     if launcher.ray_address is None:
         services.insert(0, "ray head")
     placements.extend(Placement(name, "process", 0) for name in services)
@@ -210,14 +210,16 @@ def preflight(recipe: Recipe, run_dir: Path | None = None) -> list[str]:
     for name, path in models:
         if path != built and not is_model_dir(path):
             problems.append(f"{name} = {str(path)!r} is not a model directory (no config.json)")
-    files = [("agent_pool.prompts_path", pool.prompts_path)]
-    if pool.eval.enabled and pool.eval.data_path is not None:
-        files.append(("agent_pool.eval.data_path", pool.eval.data_path))
+    files = []
+    if pool is not None:
+        files.append(("agent_pool.prompts_path", pool.prompts_path))
+        if pool.eval.enabled and pool.eval.data_path is not None:
+            files.append(("agent_pool.eval.data_path", pool.eval.data_path))
     if sft and learner.sft is not None:
         files.append(("learner.sft.data_path", learner.sft.data_path))
     problems += [f"{name} = {str(path)!r} does not exist" for name, path in files if not path.is_file()]
-    for name in SERVICES:
-        problems += [f"{name}.{taken}" for taken in ports_taken(recipe.services[name])]
+    for name, settings in recipe.services.items():
+        problems += [f"{name}.{taken}" for taken in ports_taken(settings)]
     if not embedded_redis(recipe) and learner.run.redis_url:
         try:
             redis.Redis.from_url(learner.run.redis_url, socket_connect_timeout=3, socket_timeout=3).ping()

@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,6 +57,11 @@ class LauncherSettings(BaseModel):
         None, description="Existing Ray cluster (host:port) for router and broadcaster; unset = start a local head."
     )
     ray_port: int = Field(0, ge=0, le=65535, description="Port of the local Ray head; 0 picks a free one.")
+    without: tuple[Literal["agent_pool"], ...] = Field(
+        (),
+        description="Services the run leaves out: ['agent_pool'] runs the other three for a producer of your own "
+        "(docs/custom-agent-pool.md), which reads the run's settings from the learner's GetRunSettings.",
+    )
     embedded_redis: bool = Field(
         False, description="Start a local redis-server even when [run] redis_url is set (always done when unset)."
     )
@@ -95,7 +100,7 @@ class Recipe:
     path: Path
     tables: dict[str, Any]
     launcher: LauncherSettings
-    services: dict[str, ServiceSettings]
+    services: dict[str, ServiceSettings]  # the services the run starts, in start order
 
     @property
     def router(self) -> RouterSettings:
@@ -106,8 +111,9 @@ class Recipe:
         return self.services["learner"]  # type: ignore[return-value]
 
     @property
-    def agent_pool(self) -> AgentPoolSettings:
-        return self.services["agent_pool"]  # type: ignore[return-value]
+    def agent_pool(self) -> AgentPoolSettings | None:
+        """None when the run leaves the agent-pool out (``[launcher] without``)."""
+        return self.services.get("agent_pool")  # type: ignore[return-value]
 
     @property
     def broadcaster(self) -> BroadcasterSettings:
@@ -153,10 +159,12 @@ def apply_sets(tables: Mapping[str, Any], assignments: Sequence[str]) -> dict[st
     return result
 
 
-def resolve_services(tables: Mapping[str, Any], sets: Mapping[str, Any] | None = None) -> dict[str, ServiceSettings]:
-    """Each service's settings from ``tables``, loaded exactly as ``molt-<svc> --config`` loads them
-    (environment included); a ``ConfigError`` names the service, key, value and where it came from
-    (``sets``: the tables the ``--set`` assignments alone make)."""
+def resolve_services(
+    tables: Mapping[str, Any], sets: Mapping[str, Any] | None = None, without: Sequence[str] = ()
+) -> dict[str, ServiceSettings]:
+    """Each started service's settings from ``tables`` (all but ``without``), loaded exactly as
+    ``molt-<svc> --config`` loads them (environment included); a ``ConfigError`` names the service,
+    key, value and where it came from (``sets``: the tables the ``--set`` assignments alone make)."""
     with tempfile.TemporaryDirectory(prefix="molt-recipe-") as tmp:
         path = Path(tmp) / "recipe.toml"
         path.write_text(to_toml(tables))
@@ -164,6 +172,7 @@ def resolve_services(tables: Mapping[str, Any], sets: Mapping[str, Any] | None =
         return {
             section: load_settings(cls, section, ["--config", str(path)], environ, prog=script, overrides=sets)[0]
             for section, (cls, script) in SERVICES.items()
+            if section not in without
         }
 
 
@@ -177,7 +186,7 @@ def load_recipe(path: Path, assignments: Sequence[str] = ()) -> Recipe:
         layers = [("--set", sets.get("launcher", {})), (f"recipe {path} [launcher]", tables.get("launcher", {}))]
         details = "\n".join(describe_error(err, layers) for err in exc.errors())
         raise ConfigError(f"invalid launcher settings:\n{details}") from exc
-    return Recipe(path, tables, launcher, resolve_services(tables, sets))
+    return Recipe(path, tables, launcher, resolve_services(tables, sets, launcher.without))
 
 
 def is_model_dir(path: Path) -> bool:
@@ -196,7 +205,7 @@ def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str 
     directory, the embedded Redis, the Ray cluster, each client pointed at the address its server
     listens on, and (with the SFT warm-up) every model path pointed at the SFT output."""
     tables = apply_sets(recipe.tables, ())
-    for name in ("run", *SERVICES):
+    for name in ("run", *recipe.services):
         tables.setdefault(name, {})
     tables["run"]["run_dir"] = str(run_dir)
     if redis_url is not None:
@@ -207,16 +216,18 @@ def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str 
         if recipe.learner.placement == "ray":
             tables["learner"]["ray_address"] = ray_address
     router = connect_address(recipe.router.listen)
-    tables["agent_pool"]["router_address"] = router
     tables["broadcaster"]["router_address"] = router
     broadcaster = connect_address(recipe.broadcaster.listen)
     tables["learner"]["broadcaster_address"] = broadcaster
-    tables["agent_pool"]["broadcaster_address"] = broadcaster
+    if recipe.agent_pool is not None:
+        tables["agent_pool"]["router_address"] = router
+        tables["agent_pool"]["broadcaster_address"] = broadcaster
     sft_output = recipe.sft_output(run_dir)
     if sft_output is not None:
         tables["router"].setdefault("engine", {})["model_path"] = str(sft_output)
         tables["learner"]["model_path"] = str(sft_output)
-        tables["agent_pool"]["tokenizer_path"] = str(sft_output)
+        if recipe.agent_pool is not None:
+            tables["agent_pool"]["tokenizer_path"] = str(sft_output)
     return tables
 
 

@@ -156,7 +156,7 @@ class Launch:
         self.state.ray_address = ray_address
         tables = wire(self.recipe, self.run_dir, redis_url, ray_address)
         self.config_path.write_text(to_toml(tables))
-        resolved = resolve_services(tables)  # what each service will load from config.toml
+        resolved = resolve_services(tables, without=self.recipe.launcher.without)  # what each service loads
         snapshot = {
             "recipe": str(self.recipe.path),
             "launcher": self.recipe.launcher.model_dump(mode="json"),
@@ -221,8 +221,7 @@ class Launch:
 
     def _start_services(self) -> None:
         timeout = self.recipe.launcher.start_timeout_s
-        for name in SERVICES:
-            settings = self.recipe.services[name]
+        for name, settings in self.recipe.services.items():
             address = connect_address(settings.listen)  # type: ignore[attr-defined]
             args = [script(SERVICES[name][1]), "--config", str(self.config_path)]
             # A learner placed by Ray is only its driver here; Ray gives each rank its GPU.

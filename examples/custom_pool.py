@@ -1,24 +1,26 @@
-"""A custom agent-pool in ~150 lines: only the gRPC contract (``molt.v1`` stubs), grpc and redis.
+"""A custom agent-pool: only the gRPC contract (``molt.v1`` stubs), grpc and redis.
 
-It stands in for a producer written in any language (docs/custom-agent-pool.md
-walks through it). For each prompt it runs ``--group-size`` two-turn episodes
-through the rollout-router's ``RolloutService``:
+It stands in for a producer written in any language (docs/custom-agent-pool.md walks through it).
+It asks the learner for the run's producer settings (``GetRunSettings``: run id, Redis URL and keys,
+group size, groups per step, staleness bound, queue bound), then for each prompt runs a group of
+two-turn episodes through the rollout-router's ``RolloutService``:
 
 1. generate a reply to the prompt (tokens in, sampled tokens + logprobs + versions out);
 2. append the prompt's ``feedback_token_ids`` (an environment message: not trained on)
    and generate again, continuing from exactly the tokens the engine saw;
 
-then scores each episode, builds one ``molt.v1.TrajectoryGroup`` and queues it
-on the run's Redis stream with the documented atomic put (docs/queue.md).
+scores each episode, builds one ``molt.v1.TrajectoryGroup`` and queues it on the run's Redis stream
+with the documented atomic put (docs/queue.md), paced on the policy version as the agent-pool is.
 
 Prompts: a JSONL file of ``{"id": str, "prompt_token_ids": [int], "feedback_token_ids": [int]}``
 (a real pool would apply the model's chat template to get them).
-Usage: ``python custom_pool_example.py --router HOST:PORT --redis URL --run RUN --prompts FILE``.
+Usage: ``python examples/custom_pool.py --learner HOST:PORT --router HOST:PORT --prompts FILE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 import uuid
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 import redis
 
-from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from molt.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 # The put script of docs/queue.md. KEYS: stream, seen-ids set. ARGV: max_length, payload, trajectory ids...
 PUT = """
@@ -128,13 +130,13 @@ def build_group(run: str, prompt_id: str, episodes: list[Episode], group_size: i
     return group
 
 
-def put(client: redis.Redis, run: str, group: common_pb2.TrajectoryGroup, max_length: int) -> str:
-    """Queues the group atomically; waits while the queue is full, never drops."""
+def put(client: redis.Redis, run: learner_pb2.GetRunSettingsResponse, group: common_pb2.TrajectoryGroup) -> str:
+    """Queues the group atomically within the run's bound; waits while the queue is full, never drops."""
     script = client.register_script(PUT)
-    keys = [f"molt:{run}:trajectories", f"molt:{run}:trajectory-ids"]
+    keys = [run.trajectory_stream_key, run.seen_set_key]
     while True:
         ids = [t.trajectory_id for t in group.trajectories]
-        reply = script(keys=keys, args=[max_length, group.SerializeToString(), *ids])
+        reply = script(keys=keys, args=[run.rollout.queue_max_length, group.SerializeToString(), *ids])
         status = reply[0].decode()
         if status == "ok":
             return reply[1].decode()
@@ -149,27 +151,54 @@ def put(client: redis.Redis, run: str, group: common_pb2.TrajectoryGroup, max_le
             return ""
 
 
+def run_settings(learner: str, timeout_s: float = 300.0) -> learner_pb2.GetRunSettingsResponse:
+    """The learner's producer-facing settings, waiting for it to serve."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(learner) as channel:
+        stub = learner_pb2_grpc.LearnerServiceStub(channel)
+        while True:
+            try:
+                return stub.GetRunSettings(learner_pb2.GetRunSettingsRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+
+def wait_for_version(
+    stub: rollout_pb2_grpc.RolloutServiceStub, index: int, rollout: common_pb2.RolloutSettings
+) -> None:
+    """Group ``index`` starts once the policy version is index // groups_per_step - max_staleness, so the
+    learner, training it in its slot, finds it at most max_staleness versions old (docs/queue.md)."""
+    needed = index // rollout.groups_per_step - rollout.max_staleness
+    while stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30).policy_version < needed:
+        time.sleep(0.2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--learner", required=True, help="LearnerService address host:port (the run's settings)")
     parser.add_argument("--router", required=True, help="RolloutService address host:port")
-    parser.add_argument("--redis", required=True, help="redis://host:port/db")
-    parser.add_argument("--run", required=True, help="the run id ([run] run_id)")
     parser.add_argument("--prompts", required=True, help="JSONL prompt token ids")
-    parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--max-length", type=int, default=1024, help="the queue's bound")
+    parser.add_argument("--max-groups", type=int, default=0, help="stop after this many groups; 0: cycle forever")
     args = parser.parse_args()
-    client = redis.Redis.from_url(args.redis)
+    run = run_settings(args.learner)
+    size = run.rollout.group_size
+    client = redis.Redis.from_url(run.redis_url)
+    with open(args.prompts) as lines:
+        prompts = [json.loads(raw) for raw in lines]
     entries = []
     with grpc.insecure_channel(args.router) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        with open(args.prompts) as lines:
-            for raw in lines:
-                line = json.loads(raw)
-                episodes = [run_episode(stub, line, args.max_tokens) for _ in range(args.group_size)]
-                group = build_group(args.run, str(line["id"]), episodes, args.group_size)
-                entries.append(put(client, args.run, group, args.max_length))
-    print(json.dumps({"entries": entries}))  # noqa: T201 (the program's output)
+        for index in itertools.count():
+            if args.max_groups and index >= args.max_groups:
+                break
+            line = prompts[index % len(prompts)]
+            wait_for_version(stub, index, run.rollout)
+            episodes = [run_episode(stub, line, args.max_tokens) for _ in range(size)]
+            entries.append(put(client, run, build_group(run.run_id, str(line["id"]), episodes, size)))
+    print(json.dumps({"run_id": run.run_id, "entries": entries}))  # noqa: T201 (the program's output)
 
 
 if __name__ == "__main__":
