@@ -12,7 +12,7 @@ from molt.router.config import RouterSettings
 
 async def serve(settings: RouterSettings) -> None:
     from molt.core.serve import Registration, ServiceHost
-    from molt.router.engines import EnginePool
+    from molt.router.engine_pool import EnginePool
     from molt.router.server import RolloutServicer
     from molt.v1 import rollout_pb2, rollout_pb2_grpc
 
