@@ -17,8 +17,8 @@ async def serve(settings: BroadcasterSettings) -> None:
     from molt.v1 import weights_pb2, weights_pb2_grpc
 
     broadcaster = Broadcaster(settings)
-    broadcaster.start()
-    await broadcaster.restore()
+    broadcaster.membership.open_store()
+    await broadcaster.publisher.restore()
     service = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
     host = ServiceHost(
         name="weight-broadcaster",
