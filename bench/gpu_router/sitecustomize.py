@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 try:
-    from molt.router import engine as _engine
+    from molt.router import engine_actor as _engine
 except Exception:  # a process that has no molt on its path (a Ray or vLLM helper): nothing to patch
     _engine = None  # type: ignore[assignment]
 

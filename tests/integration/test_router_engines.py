@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from molt.router.engine import frame
+from molt.router.data_channel import frame
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.integration]

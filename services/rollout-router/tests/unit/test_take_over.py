@@ -10,14 +10,14 @@ import pytest
 
 from molt.core.errors import WrongState
 from molt.router.config import RouterSettings
-from molt.router.engine import EngineInfo
+from molt.router.engine_actor import EngineInfo
 
 
 def pool_over(*engines: tuple[int, bool]) -> Any:
     """A pool that took over engines at (policy version, paused); it holds no actors (nothing to resume)."""
-    # Imported here, not at collection: molt.router.engines imports Ray, and Ray reads its environment
+    # Imported here, not at collection: molt.router.engine_pool imports Ray, and Ray reads its environment
     # (RAY_AUTH_MODE) once, at import; a later test that connects to a token-auth head sets it first.
-    from molt.router.engines import EnginePool
+    from molt.router.engine_pool import EnginePool
 
     pool = EnginePool(RouterSettings(engine={"model_path": Path("unused")}))  # type: ignore[arg-type]
     infos = [EngineInfo(f"engine-{i}", 320, 1024, version, paused) for i, (version, paused) in enumerate(engines)]

@@ -10,8 +10,8 @@ from molt.core.errors import InvalidInput
 from molt.core.serve import grpc_errors
 from molt.router import metrics
 from molt.router.config import RouterSettings
-from molt.router.engine import Chunk
-from molt.router.engines import EnginePool
+from molt.router.data_channel import Chunk
+from molt.router.engine_pool import EnginePool
 from molt.router.sampling import ModelLimits, RequestedSampling, Sampling, check_prompt, resolve
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 

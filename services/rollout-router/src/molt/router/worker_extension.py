@@ -185,7 +185,3 @@ class WeightReceiver:
         if tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
         return incomplete
-
-    def parameter_checksums(self) -> dict[str, int]:
-        """Per parameter: tensor_checksum of its bytes as the worker holds them (packed layouts included)."""
-        return {name: tensor_checksum(t) for name, t in self.model_runner.model.state_dict().items()}

@@ -1,8 +1,7 @@
-"""Entry point of ``molt-broadcaster``: settings -> Ray + weight-group store -> WeightService until SIGTERM."""
+"""Entry point of ``molt-broadcaster``: settings -> ``service.launch`` (Ray + weight group -> WeightService)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Sequence
 
@@ -10,43 +9,15 @@ from molt.broadcaster.config import BroadcasterSettings
 from molt.core.cli import refuse_on_config_error, start_service
 
 
-async def serve(settings: BroadcasterSettings) -> None:
-    from molt.broadcaster.agreement import record_rollout
-    from molt.broadcaster.refit import Broadcaster
-    from molt.broadcaster.server import WeightServicer
-    from molt.core.serve import Registration, ServiceHost
-    from molt.v1 import weights_pb2, weights_pb2_grpc
-
-    broadcaster = Broadcaster(settings)
-    broadcaster.start()
-    await record_rollout(settings, broadcaster.router)
-    await broadcaster.restore()
-    service = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
-    host = ServiceHost(
-        name="weight-broadcaster",
-        listen=settings.listen,
-        registrations=[
-            Registration(weights_pb2_grpc.add_WeightServiceServicer_to_server, WeightServicer(broadcaster), service)
-        ],
-        metrics_port=settings.metrics_port,
-    )
-    await host.start()
-    await host.serve_until_signal(on_stop=broadcaster.close)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     settings = start_service(BroadcasterSettings, "broadcaster", "molt-broadcaster", argv)
     if settings is None:
         return
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # see molt.router.__main__
-    import ray
+    from molt.broadcaster.service import launch
 
-    ray.init(address=settings.ray_address or "auto", namespace=f"molt-{settings.run.run_id}", log_to_driver=False)
-    try:
-        with refuse_on_config_error("molt-broadcaster"):
-            asyncio.run(serve(settings))
-    finally:
-        ray.shutdown()
+    with refuse_on_config_error("molt-broadcaster"):
+        launch(settings)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         if request.role == weights_pb2.ENDPOINT_ROLE_LEARNER:
             await self.broadcaster.learner_registered()
             return weights_pb2.RegisterWeightEndpointResponse(
-                first_rank=0, rendezvous_address=self.broadcaster.rendezvous_address
+                first_rank=0, rendezvous_address=self.broadcaster.membership.rendezvous_address
             )
         if request.role == weights_pb2.ENDPOINT_ROLE_ENGINE:
-            engine = await self.broadcaster.register_endpoint(request.endpoint_id, request.address)
+            engine = await self.broadcaster.membership.register_endpoint(request.endpoint_id, request.address)
             return weights_pb2.RegisterWeightEndpointResponse(
-                first_rank=engine.first_rank, rendezvous_address=self.broadcaster.rendezvous_address
+                first_rank=engine.first_rank, rendezvous_address=self.broadcaster.membership.rendezvous_address
             )
         raise InvalidInput(f"role must be LEARNER or ENGINE, got {request.role}")
 
@@ -47,7 +47,7 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         self, request: weights_pb2.GetPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> weights_pb2.GetPolicyVersionResponse:
         return weights_pb2.GetPolicyVersionResponse(
-            policy_version=self.broadcaster.published.version,
+            policy_version=self.broadcaster.publisher.published.version,
             refit_failure=self.broadcaster.paused_by_failure or "",
             rollout=self.broadcaster.settings.rollout.to_proto(),
         )
@@ -56,7 +56,7 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
     async def WatchPolicyVersion(
         self, request: weights_pb2.WatchPolicyVersionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[weights_pb2.WatchPolicyVersionResponse]:
-        published = self.broadcaster.published
+        published = self.broadcaster.publisher.published
         last = published.version
         yield weights_pb2.WatchPolicyVersionResponse(policy_version=last)
         while True:

@@ -1,23 +1,12 @@
 """One inference engine: vLLM's AsyncLLM inside a Ray actor, tokens in, tokens + logprobs + version out.
 
-Every token handed out carries the policy version of the weights that sampled it.
-The version is set in the engine core (vLLM's weight-version label) before
-generation resumes after a refit, and the engine core labels each step's output
-with it; a request suspended by a ``keep`` pause therefore shows both versions.
-The labels, not the actor's current version, decide: vLLM holds a request's
-tokens back until ``stream_interval`` of them are ready, so one output can hold
-tokens sampled before a pause and after it; such an output leaves as one chunk
-per version. Logprobs are vLLM's *processed* logprobs (after temperature), the
-quantity the learner recomputes.
-
-Requests, aborts and outputs travel over the engine's *data channel*, a TCP
-connection from the router to the actor (``channel`` opens it and tells the
-router where, with a secret the router must send first): length-prefixed
-pickled frames, each carrying everything one side gathered in one pass of its
-event loop. Ray carries the control calls (start, pause, resume, probe, the
-weight refit). A Ray actor call (submit, then a long poll for outputs) cost
-~2.3 ms of CPU and 2.3 ms of wall time per round trip for a batch of 32 on 2
-cores, the socket ~0.14 ms of both.
+Every token handed out carries the policy version of the weights that sampled
+it, read from the engine core's labels (``molt.router.versioned_chunks``).
+Requests, aborts and outputs travel over the engine's data channel
+(``molt.router.data_channel``); this module holds the engine's end of it: one
+router connected at a time, its operations handed to the requests here, the
+outputs sent back in one frame per pass of the event loop. Ray carries the
+control calls (start, pause, resume, probe, the weight refit).
 """
 
 from __future__ import annotations
@@ -25,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import logging
 import os
 import pickle
 import secrets
-import socket
-import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,25 +26,24 @@ from uuid import uuid4
 
 from molt.core.stallwatch import StallWatch
 from molt.router import vllm_wait
+from molt.router.data_channel import (
+    SECRET_TIMEOUT_S,
+    ChannelAddress,
+    Chunk,
+    Failure,
+    Operation,
+    Output,
+    Submission,
+    frame,
+    keep_alive,
+    read_frame,
+)
 from molt.router.sampling import Sampling
+from molt.router.versioned_chunks import chunks_of, token_versions
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "molt.router.worker_extension.WeightReceiver"
-# Engine arguments molt sets itself (overriding them would break logprob exactness or the refit hook)
-# or that have their own [router.engine] setting.
-RESERVED_ENGINE_ARGS = (
-    "logprobs_mode",
-    "worker_extension_cls",
-    "model",
-    "tokenizer",
-    "tensor_parallel_size",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "seed",
-    "dtype",
-    "stream_interval",
-)
 
 
 @dataclass(frozen=True)
@@ -75,16 +60,6 @@ class EngineSpec:
     stream_interval: int
     engine_args: dict[str, Any]
     wait: Literal["spin", "sleep"] = "spin"  # how vLLM's own processes wait for each other (molt.router.vllm_wait)
-
-
-@dataclass(frozen=True)
-class Submission:
-    """A request for the engine (with ``final_only``, each sample comes out once, finished)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: Sampling
-    final_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,71 +83,8 @@ class Running:
     owner: asyncio.StreamWriter
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens one sample gained since its previous chunk, all sampled under ``policy_version``."""
-
-    sample_index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_version: int
-    top_logprobs: list[tuple[list[int], list[float]]]
-    finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last chunk
-    stop_reason: str
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A request the engine could not serve (``refused``: would not start); ends its stream with this message."""
-
-    message: str
-    refused: bool = False
-
-
-Output = tuple[str, Chunk | Failure]  # (request_id, what it produced)
-Operation = tuple[Literal["submit"], Submission] | tuple[Literal["abort"], str]  # router -> engine, in order
-
-FRAME_HEADER = struct.Struct("!I")
-MAX_FRAME_BYTES = 1 << 30
-SECRET_TIMEOUT_S = 10.0  # a connection must send the secret within this
-
-
-@dataclass(frozen=True)
-class ChannelAddress:
-    """Where an engine's data channel listens, and the secret a connection must send first."""
-
-    host: str
-    port: int
-    token: bytes
-
-
-def keep_alive(writer: asyncio.StreamWriter, idle_s: int = 10, interval_s: int = 5, probes: int = 3) -> None:
-    """TCP keep-alive on a data channel, both ends: a peer whose node vanished without closing the
-    connection is noticed after ``idle_s + interval_s * probes`` seconds of silence (Linux options
-    where present)."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", probes)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def frame(payload: bytes) -> bytes:
-    return FRAME_HEADER.pack(len(payload)) + payload
-
-
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
-    """The next frame's payload; raises ``asyncio.IncompleteReadError`` at the end of the stream."""
-    (size,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-    if size > max_bytes:
-        raise ConnectionError(f"a frame of {size} bytes is over the limit of {max_bytes}")
-    return await reader.readexactly(size)
-
-
 class EngineActor:
-    """The body of the engine actor (wrapped with ``ray.remote`` by ``molt.router.engines``)."""
+    """The body of the engine actor (wrapped with ``ray.remote`` by ``molt.router.engine_launch``)."""
 
     def __init__(self, spec: EngineSpec, policy_version: int = 0) -> None:
         self.spec = spec
@@ -190,7 +102,7 @@ class EngineActor:
         self.stall_watch: StallWatch | None = None
 
     async def start(self) -> EngineInfo:
-        """Builds the vLLM engine (tens of seconds on CPU); idempotent."""
+        """Builds the vLLM engine (it loads the model, which takes a while); idempotent."""
         if self.llm is None:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -393,61 +305,12 @@ class EngineActor:
                     if completion.token_ids or completion.finish_reason is not None:
                         versions = self._versions(request_id, completion, sent[completion.index])
                         sent[completion.index] += len(completion.token_ids)
-                        for chunk in self._chunks(completion, versions, sampling.top_logprob_count):
+                        for chunk in chunks_of(completion, versions, sampling.top_logprob_count, self.policy_version):
                             yield chunk
 
     def _versions(self, request_id: str, completion: Any, start: int) -> list[int]:
-        """The policy version of each of ``completion``'s tokens, which are the sample's output tokens
-        ``start, start + 1, ...``, from the engine core's weight-version labels: on the last output the
-        completion carries them; before it they are read from the output processor's state of the
-        request (kept up to date by the same step that produced the tokens)."""
-        if not completion.token_ids:
-            return []
-        spans = completion.weight_versions
-        if spans is not None:
-            starts = [(span.version, span.start) for span in spans]
-        else:
-            processor = self.llm.output_processor
-            states = (processor.request_states.get(i) for i in processor.external_req_ids.get(request_id, ()))
-            state = next((s for s in states if s is not None and s.request_index == completion.index), None)
-            starts = list(state.weight_version_starts) if state is not None else []
-        if not starts:  # cannot happen while every step is labelled; fail loudly rather than guess
-            raise RuntimeError(f"no weight-version label for {request_id} sample {completion.index}")
-        versions, span = [], 0
-        for position in range(start, start + len(completion.token_ids)):
-            while span + 1 < len(starts) and starts[span + 1][1] <= position:
-                span += 1
-            versions.append(int(starts[span][0]))
-        return versions
-
-    def _chunks(self, completion: Any, versions: list[int], top_k: int) -> list[Chunk]:
-        """``completion`` as one chunk per run of tokens sampled under one version (the finish on the last)."""
-        token_ids = list(completion.token_ids)
-        logprobs: list[float] = []
-        top: list[tuple[list[int], list[float]]] = []
-        for token_id, position in zip(token_ids, completion.logprobs or [], strict=True):
-            logprobs.append(float(position[token_id].logprob))
-            if top_k:
-                ranked = sorted(position.items(), key=lambda item: item[1].rank)[:top_k]
-                top.append(([t for t, _ in ranked], [float(lp.logprob) for _, lp in ranked]))
-        bounds = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
-        edges = [0, *bounds, len(token_ids)]
-        stop = completion.stop_reason
-        chunks = []
-        for first, end in itertools.pairwise(edges):
-            last = end == len(token_ids)
-            chunks.append(
-                Chunk(
-                    sample_index=completion.index,
-                    token_ids=token_ids[first:end],
-                    logprobs=logprobs[first:end],
-                    policy_version=versions[first] if versions else self.policy_version,
-                    top_logprobs=top[first:end],
-                    finish_reason=completion.finish_reason if last else None,
-                    stop_reason=("" if stop is None else str(stop)) if last else "",
-                )
-            )
-        return chunks
+        """The policy version of each of ``completion``'s tokens (``versioned_chunks.token_versions``)."""
+        return token_versions(self.llm.output_processor, request_id, completion, start)
 
     async def pause(self, mode: Literal["wait", "keep"], clear_cache: bool = True) -> None:
         """Stops scheduling; ``keep`` suspends in-flight requests, ``wait`` lets them finish first.
@@ -455,9 +318,9 @@ class EngineActor:
         With ``clear_cache`` the KV cache is cleared, so suspended requests recompute their prefix under
         the new weights; without it they continue over the old weights' KV (``[router.pause] kv_cache``).
         Calls the engine core directly: vLLM's ``pause_generation`` adds a multimodal cache reset (no
-        such inputs here) and a 20 ms sleep so that outputs already on their way are handed out
+        such inputs here) and a fixed sleep so that outputs already on their way are handed out
         before it returns, which nothing here needs (tokens get their version from the engine's
-        labels, not from when they arrive); that sleep was a third of a refit's pause on 2 cores.
+        labels, not from when they arrive) and which would lengthen every refit's pause.
         """
         await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
         self.paused = True

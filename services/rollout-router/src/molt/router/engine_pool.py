@@ -1,13 +1,11 @@
-"""The router's engines: Ray actors placed with placement groups, routing, pause/resume.
+"""The router's engines as one pool: routing, the request lifecycle, admission, pause and resume.
 
-``EnginePool`` starts one ``EngineActor`` per configured engine (or attaches to
-a running one of the same name), routes each request (``routing.pick_engine``),
-and gates admission while paused: requests arriving during a pause wait (up to
-``pause.paused_wait_timeout_s``) instead of failing. Requests and aborts go to an
-engine over its data channel (``molt.router.engine``), everything one pass of the
-event loop gathered in one frame and in order (so an abort never overtakes its
-request); one pump task per engine reads the channel and hands each chunk to its
-request's queue. Ray carries only the control calls.
+``EnginePool`` starts one engine actor per configured engine, or attaches to a
+running one of the same name (``molt.router.engine_launch``), routes each request
+(``routing.pick_engine``) and sends it over the engine's data channel
+(``molt.router.data_channel``). It gates admission while paused: requests
+arriving during a pause wait (up to ``pause.paused_wait_timeout_s``) instead of
+failing. Ray carries only the control calls.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import pickle
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -23,26 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.core.errors import Aborted, ConfigError, InvalidInput, TimedOut, Unavailable, WrongState
 from molt.router import metrics
 from molt.router.config import RouterSettings
-from molt.router.engine import (
-    RESERVED_ENGINE_ARGS,
-    Chunk,
-    EngineActor,
-    EngineInfo,
-    EngineSpec,
-    Failure,
-    Operation,
-    Output,
-    Submission,
-    frame,
-    keep_alive,
-    read_frame,
-)
+from molt.router.data_channel import Chunk, EngineLinks, Failure, Submission
+from molt.router.engine_actor import EngineInfo
+from molt.router.engine_launch import check_engine_args, start_or_attach, stop_engines
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 
@@ -74,15 +58,11 @@ class EnginePool:
         self.actors: dict[str, Any] = {}
         self.infos: dict[str, EngineInfo] = {}
         self.in_flight: dict[str, InFlight] = {}  # by the caller's request_id
-        self.queues: dict[str, asyncio.Queue[Chunk | Failure]] = {}  # by the submission's key in the engine
         self.keys = itertools.count()
         self.key_prefix = secrets.token_hex(4)  # this router's: a restarted one never reuses a detached engine's ids
         # Requests waiting at admission: per request_id, one event per waiter (set: aborted).
         self.held: dict[str, set[asyncio.Event]] = {}
-        self.pumps: list[asyncio.Task[None]] = []
-        # Per live engine, the router's end of its data channel (an engine whose channel closed is dropped).
-        self.links: dict[str, asyncio.StreamWriter] = {}
-        self.outgoing: dict[str, list[Operation]] = {}  # per engine: what this pass of the loop gathered
+        self.links = EngineLinks()  # the router's ends of the engines' data channels
         self.policy_version = 0
         self.versions_differ = False  # attached engines hold different weights: only a refit may resume them
         self.paused = False
@@ -100,27 +80,12 @@ class EnginePool:
     async def start(self) -> ModelLimits:
         """Starts (or attaches to) every engine and waits until they serve."""
         engine = self.settings.engine
-        reserved = sorted(set(engine.engine_args) & set(RESERVED_ENGINE_ARGS))
-        if reserved:
-            raise ConfigError(
-                f"router.engine.engine_args may not set {reserved}: molt sets them itself or they have "
-                "their own [router.engine] setting"
-            )
-        if self.settings.pause.kv_cache == "keep" and engine.engine_args.get("enable_prefix_caching"):
-            raise ConfigError(
-                'router.pause.kv_cache = "keep" needs prefix caching off (new requests would reuse blocks the old '
-                "weights wrote); remove router.engine.engine_args.enable_prefix_caching"
-            )
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        if not use_gpu and engine.engine_args.get("enable_chunked_prefill"):
-            raise ConfigError(
-                "router.engine.engine_args.enable_chunked_prefill is not safe on CPU engines: vLLM rewinds a seeded "
-                "request's random generator after a partial prefill, which CPU generators cannot do, and the "
-                "engine dies; remove it"
-            )
+        check_engine_args(self.settings, use_gpu)
         for index in range(engine.engine_count):
             engine_id = f"engine-{index}"
-            self.actors[engine_id] = self._actor(engine_id, use_gpu)
+            version = self.policy_version
+            self.actors[engine_id] = start_or_attach(self.settings, self.namespace, engine_id, use_gpu, version)
         infos = await asyncio.gather(*(actor.start.remote() for actor in self.actors.values()))
         self.infos = {info.engine_id: info for info in infos}
         limits = {(i.vocab_size, i.max_model_len) for i in infos}
@@ -129,17 +94,7 @@ class EnginePool:
         self._take_over(infos)
         addresses = await asyncio.gather(*(actor.channel.remote() for actor in self.actors.values()))
         for engine_id, address in zip(self.actors, addresses, strict=True):
-            try:
-                reader, writer = await asyncio.open_connection(address.host, address.port)
-            except OSError as exc:
-                raise Unavailable(
-                    f"cannot reach the data channel of {engine_id} at {address.host}:{address.port}: {exc}",
-                    reason="ENGINE_UNAVAILABLE",
-                ) from exc
-            keep_alive(writer)
-            writer.write(frame(address.token))
-            self.links[engine_id] = writer
-            self.pumps.append(asyncio.create_task(self._pump(engine_id, reader)))
+            await self.links.connect(engine_id, address)
         metrics.ENGINES_UP.set(len(infos))
         vocab_size, max_model_len = limits.pop()
         channels = {engine_id: f"{a.host}:{a.port}" for engine_id, a in zip(self.actors, addresses, strict=True)}
@@ -174,101 +129,16 @@ class EnginePool:
                 extra={"versions": {info.engine_id: info.policy_version for info in infos}},
             )
 
-    def _actor(self, engine_id: str, use_gpu: bool) -> Any:
-        name = f"molt-{engine_id}"
-        try:
-            actor = ray.get_actor(name, namespace=self.namespace)
-            log.info("attached to running engine", extra={"engine": engine_id})
-            return actor
-        except ValueError:
-            pass
-        try:  # a detached group whose engine died (crash, ray.kill) would block creating it again
-            remove_placement_group(get_placement_group(self._group_name(engine_id)))
-            log.warning("removed the placement group of a dead engine", extra={"engine": engine_id})
-        except ValueError:
-            pass
-        engine = self.settings.engine
-        tp = engine.tensor_parallel_size
-        # CPU: one bundle for the actor (vLLM's worker runs in a child process). GPU: one GPU per
-        # tensor-parallel worker; with tp > 1 vLLM's Ray executor places its workers in this group.
-        bundles = [{"CPU": 1.0, "GPU": 1.0}] + [{"GPU": 1.0}] * (tp - 1) if use_gpu else [{"CPU": 1.0}]
-        # A detached engine's group is detached too: Ray removes a job's groups, and the actors in them,
-        # when the job (this router) ends.
-        lifetime = "detached" if engine.detached else None
-        group = placement_group(bundles, strategy="PACK", name=self._group_name(engine_id), lifetime=lifetime)
-        extra: dict[str, Any] = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
-        if self.settings.pause.kv_cache == "keep":
-            extra["enable_prefix_caching"] = False
-        if not use_gpu:
-            # vLLM rewinds a seeded request's generator (set_offset) when a step only prefilled part of it,
-            # which a CPU generator refuses: the engine died once seeded prompts overran a step's token
-            # budget (concurrent long prompts; requests re-prefilling after a pause). Whole prefills only.
-            extra["enable_chunked_prefill"] = False
-        spec = EngineSpec(
-            engine_id=engine_id,
-            model_path=engine.model_path,
-            tensor_parallel_size=tp,
-            max_model_len=engine.max_model_len,
-            gpu_memory_utilization=engine.gpu_memory_utilization,
-            seed=engine.seed,
-            dtype=engine.dtype,
-            stream_interval=engine.stream_interval,
-            engine_args={**extra, **engine.engine_args},
-            wait=engine.wait if engine.wait != "auto" else ("spin" if use_gpu else "sleep"),
-        )
-        remote_cls = ray.remote(EngineActor)
-        return remote_cls.options(  # type: ignore[attr-defined]
-            name=name,
-            namespace=self.namespace,
-            lifetime="detached" if engine.detached else None,
-            num_cpus=1,
-            num_gpus=1 if use_gpu and tp == 1 else 0,
-            max_concurrency=10_000,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        ).remote(spec, self.policy_version)
-
-    def _group_name(self, engine_id: str) -> str:
-        return f"{self.namespace}-{engine_id}"
-
     async def shutdown(self) -> None:
         """Stops the engines and frees their placement groups, unless they are detached (then a later
         router attaches to them); an engine this router attached to goes too unless it is detached."""
-        for task in self.pumps:
-            task.cancel()
-        for writer in self.links.values():
-            writer.close()
+        self.links.close()
         if self.settings.engine.detached:
             return
-        await asyncio.gather(*(actor.shutdown.remote() for actor in self.actors.values()), return_exceptions=True)
-        for engine_id, actor in self.actors.items():
-            ray.kill(actor)
-            try:
-                remove_placement_group(get_placement_group(self._group_name(engine_id)))
-            except Exception as exc:  # already gone (with an earlier router's job): nothing to free
-                log.debug("no placement group to remove", extra={"engine": engine_id, "error": repr(exc)})
+        await stop_engines(self.actors, self.namespace)
         metrics.ENGINES_UP.set(0)
 
     # -- requests --------------------------------------------------------------------------
-
-    async def _pump(self, engine_id: str, reader: asyncio.StreamReader) -> None:
-        """Moves an engine's outputs to the requests' queues until its channel closes (the engine died)."""
-        try:
-            while True:
-                outputs: list[Output] = pickle.loads(await read_frame(reader))
-                for key, item in outputs:
-                    queue = self.queues.get(key)
-                    if queue is not None:  # else the caller has left; its abort is on the way
-                        queue.put_nowait(item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # closed (the engine died), keep-alive timed out, or a frame we cannot read
-            log.error("engine died: its data channel closed", extra={"engine": engine_id, "error": repr(exc)})
-            if (writer := self.links.pop(engine_id, None)) is not None:
-                writer.close()
-            metrics.ENGINES_UP.dec()
-            for flight in self.in_flight.values():
-                if flight.engine_id == engine_id:
-                    self.queues[flight.key].put_nowait(Failure(f"{engine_id} died"))
 
     async def generate(
         self,
@@ -288,28 +158,19 @@ class EnginePool:
         await self._admit(request_id)
         self._refuse_duplicate(request_id)  # one with the same id may have been admitted while this one waited
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
-        live = [engine_id for engine_id in self.actors if engine_id in self.links]
+        live = [engine_id for engine_id in self.actors if self.links.is_live(engine_id)]
         engine_id = pick_engine(live or list(self.actors), session_id, load)  # none live: it fails at once
         key = f"{request_id}#{self.key_prefix}-{next(self.keys)}"
-        queue: asyncio.Queue[Chunk | Failure] = asyncio.Queue()
-        self.queues[key] = queue
+        queue = self.links.open_queue(key, engine_id)
         self.in_flight[request_id] = InFlight(engine_id, len(prompt_token_ids) + sampling.max_tokens, key)
         self._idle.clear()
         metrics.REQUESTS_IN_FLIGHT.inc()
         started, outcome, finished, refused = time.monotonic(), "aborted", 0, False
         try:
-            self._enqueue(
-                engine_id,
-                (
-                    "submit",
-                    Submission(
-                        request_id=key,
-                        prompt_token_ids=prompt_token_ids,
-                        sampling=sampling,
-                        final_only=final_only,
-                    ),
-                ),
+            submission = Submission(
+                request_id=key, prompt_token_ids=prompt_token_ids, sampling=sampling, final_only=final_only
             )
+            self.links.send(engine_id, ("submit", submission))
             while finished < sampling.sample_count:
                 item = await queue.get()
                 if isinstance(item, Failure):
@@ -326,8 +187,9 @@ class EnginePool:
             outcome = "ok"
         finally:
             if finished < sampling.sample_count and not refused:  # the caller is gone or failed
-                self._enqueue(engine_id, ("abort", key))
-            del self.in_flight[request_id], self.queues[key]
+                self.links.send(engine_id, ("abort", key))
+            del self.in_flight[request_id]
+            self.links.close_queue(key)
             if not self.in_flight:
                 self._idle.set()
             metrics.REQUESTS_IN_FLIGHT.dec()
@@ -337,37 +199,6 @@ class EnginePool:
     def _refuse_duplicate(self, request_id: str) -> None:
         if request_id in self.in_flight:
             raise InvalidInput(f"request_id {request_id!r} is already in flight", reason="DUPLICATE_REQUEST_ID")
-
-    def _enqueue(self, engine_id: str, operation: Operation) -> None:
-        """Queues a submission or an abort for ``engine_id``; what this pass of the event loop gathers
-        goes out together, in order, once the pass is over."""
-        operations = self.outgoing.get(engine_id)
-        if operations is None:
-            operations = self.outgoing[engine_id] = []
-            asyncio.get_running_loop().call_soon(self._send, engine_id)
-        operations.append(operation)
-
-    def _send(self, engine_id: str) -> None:
-        operations = self.outgoing.pop(engine_id)
-        writer = self.links.get(engine_id)
-        if writer is None or writer.is_closing():
-            self._fail_submissions(operations, Failure(f"{engine_id} is gone"))
-            return
-        try:
-            payload = pickle.dumps(operations, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # cannot happen with molt's own dataclasses; fail the callers, never lose them
-            log.exception("cannot encode a frame for the engine", extra={"engine": engine_id})
-            self._fail_submissions(operations, Failure(f"the router could not send the request: {exc!r}"))
-            return
-        submissions = sum(operation[0] == "submit" for operation in operations)
-        if submissions:
-            metrics.SUBMIT_BATCH.observe(submissions)
-        writer.write(frame(payload))
-
-    def _fail_submissions(self, operations: list[Operation], failure: Failure) -> None:
-        for operation in operations:
-            if operation[0] == "submit" and (queue := self.queues.get(operation[1].request_id)) is not None:
-                queue.put_nowait(failure)
 
     async def _admit(self, request_id: str) -> None:
         """Waits while generation is paused (bounded); an abort meanwhile ends the wait."""
@@ -404,7 +235,7 @@ class EnginePool:
         """Aborts a request in flight or waiting at admission; False when it is unknown or already finished."""
         flight = self.in_flight.get(request_id)
         if flight is not None:
-            self._enqueue(flight.engine_id, ("abort", flight.key))
+            self.links.send(flight.engine_id, ("abort", flight.key))
             return True
         if (waiters := self.held.pop(request_id, None)) is not None:  # a newcomer with this id waits anew
             for aborted in waiters:
@@ -537,7 +368,7 @@ class EnginePool:
 
     def _live_actors(self) -> list[Any]:
         """The engines whose data channel is open (pausing or resuming a dead one would fail every refit)."""
-        return [actor for engine_id, actor in self.actors.items() if engine_id in self.links]
+        return [actor for engine_id, actor in self.actors.items() if self.links.is_live(engine_id)]
 
     def load(self) -> dict[str, tuple[int, int]]:
         """Per engine: (outstanding requests, outstanding tokens)."""
