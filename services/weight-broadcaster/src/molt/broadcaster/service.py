@@ -2,7 +2,8 @@
 
 ``launch`` joins the engines' Ray cluster and runs ``serve``, which opens the
 weight group's TCPStore, records the run's [rollout] values (its own and the
-router's), restores the version a previous broadcaster published, and serves WeightService with health, reflection and ``/metrics``.
+router's), restores the version a previous broadcaster published, and serves WeightService
+with health, reflection and ``/metrics``.
 """
 
 from __future__ import annotations
