@@ -134,3 +134,13 @@ def test_samples_of_a_future_version_or_too_long_are_dropped() -> None:
     nan = make_group_of("g", [trajectory("a", [1], [2, 3]), trajectory("b", [1], [2, 3])])
     nan.trajectories[1].rollout_logprobs[1] = float("-inf")
     assert build(nan).dropped == {"invalid_logprob": 2}
+
+
+def test_a_producers_bug_is_reported_before_staleness() -> None:
+    """A group whose samples are all stale (version 0 at learner version 5, bound 1) and one of which has
+    a non-finite logprob is dropped whole as invalid_logprob: the stale count would hide the bug."""
+    group = make_group_of("g", [trajectory("a", [1], [2, 3]), trajectory("b", [1], [2, 3])])
+    group.trajectories[0].rollout_logprobs[0] = float("nan")
+    assert build(group, version=5).dropped == {"invalid_logprob": 2}
+    group.trajectories[0].rollout_logprobs[0] = -0.5
+    assert build(group, version=5).dropped == {"stale": 2}

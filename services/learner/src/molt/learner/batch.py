@@ -22,6 +22,7 @@ queue checks it), so every response token has a predecessor.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
@@ -120,6 +121,11 @@ def build_group(
 ) -> GroupOutcome:
     """Samples of ``group`` that may be trained on at ``current_version``; the rest counted by reason.
 
+    A producer's bug drops the whole group before anything else is looked at, so it is reported as
+    what it is (docs/queue.md, "Drop reasons"): ``invalid_token``, then ``invalid_logprob``, then
+    ``group_of_one``; then each sample on its own: ``duplicate``, ``too_long``, ``no_loss_tokens``,
+    ``future_version``, ``stale``.
+
     ``consumed``: trajectory ids already trained on (a re-delivered entry after a crash).
     ``needs_groups``: the estimator normalises within a group, so a group produced with
     ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
@@ -132,6 +138,14 @@ def build_group(
     if problem is not None:
         log.warning("dropping a group with an invalid token", extra={"groupId": group.group_id, "problem": problem})
         dropped["invalid_token"] += count
+        return GroupOutcome([], dropped)
+    bad = next((t for t in group.trajectories if not all(map(math.isfinite, t.rollout_logprobs))), None)
+    if bad is not None:  # a producer's bug, like an invalid token: the whole group, whatever else it has
+        log.warning(
+            "dropping a group with a logprob that is not finite",
+            extra={"groupId": group.group_id, "trajectoryId": bad.trajectory_id},
+        )
+        dropped["invalid_logprob"] += count
         return GroupOutcome([], dropped)
     if needs_groups and group.sample_count < 2:
         log.warning(
@@ -173,14 +187,6 @@ def build_group(
             dropped["stale"] += 1
             continue
         samples.append(sample)
-    bad = next((s for s in samples if not bool(torch.isfinite(s.rollout_logprobs).all())), None)
-    if bad is not None:  # a producer's bug: the whole group, as for an invalid token
-        log.warning(
-            "dropping a group with a logprob that is not finite",
-            extra={"groupId": group.group_id, "trajectoryId": bad.trajectory_id},
-        )
-        dropped["invalid_logprob"] += len(samples)
-        return GroupOutcome([], dropped)
     return GroupOutcome(samples, dropped)
 
 
