@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from molt.v1 import common_pb2 as molt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15molt/v1/learner.proto\x12\x07molt.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14molt/v1/common.proto\"\x19\n\x17GetLearnerStatusRequest\"\xe3\x03\n\x18GetLearnerStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12!\n\x19\x63onsumed_trajectory_count\x18\x03 \x01(\x03\x12\x61\n\x19\x64ropped_trajectory_counts\x18\x04 \x03(\x0b\x32>.molt.v1.GetLearnerStatusResponse.DroppedTrajectoryCountsEntry\x12Q\n\x11last_step_metrics\x18\x05 \x03(\x0b\x32\x36.molt.v1.GetLearnerStatusResponse.LastStepMetricsEntry\x12\x1c\n\x14last_checkpoint_step\x18\x06 \x01(\x03\x12\x32\n\x0elast_step_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a>\n\x1c\x44roppedTrajectoryCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x36\n\x14LastStepMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x17\n\x15GetRunSettingsRequest\"\x9b\x01\n\x16GetRunSettingsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tredis_url\x18\x02 \x01(\t\x12\x1d\n\x15trajectory_stream_key\x18\x03 \x01(\t\x12\x14\n\x0cseen_set_key\x18\x04 \x01(\t\x12)\n\x07rollout\x18\x05 \x01(\x0b\x32\x18.molt.v1.RolloutSettings\"+\n\x15SaveCheckpointRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"-\n\x12StopLearnerRequest\x12\x17\n\x0fsave_checkpoint\x18\x01 \x01(\x08\"#\n\x13StopLearnerResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x32\xd9\x02\n\x0eLearnerService\x12W\n\x10GetLearnerStatus\x12 .molt.v1.GetLearnerStatusRequest\x1a!.molt.v1.GetLearnerStatusResponse\x12Q\n\x0eSaveCheckpoint\x12\x1e.molt.v1.SaveCheckpointRequest\x1a\x1f.molt.v1.SaveCheckpointResponse\x12H\n\x0bStopLearner\x12\x1b.molt.v1.StopLearnerRequest\x1a\x1c.molt.v1.StopLearnerResponse\x12Q\n\x0eGetRunSettings\x12\x1e.molt.v1.GetRunSettingsRequest\x1a\x1f.molt.v1.GetRunSettingsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15molt/v1/learner.proto\x12\x07molt.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14molt/v1/common.proto\"\x19\n\x17GetLearnerStatusRequest\"\x92\x05\n\x18GetLearnerStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12!\n\x19\x63onsumed_trajectory_count\x18\x03 \x01(\x03\x12\x61\n\x19\x64ropped_trajectory_counts\x18\x04 \x03(\x0b\x32>.molt.v1.GetLearnerStatusResponse.DroppedTrajectoryCountsEntry\x12Q\n\x11last_step_metrics\x18\x05 \x03(\x0b\x32\x36.molt.v1.GetLearnerStatusResponse.LastStepMetricsEntry\x12\x1c\n\x14last_checkpoint_step\x18\x06 \x01(\x03\x12\x32\n\x0elast_step_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12W\n\x14skipped_group_counts\x18\x08 \x03(\x0b\x32\x39.molt.v1.GetLearnerStatusResponse.SkippedGroupCountsEntry\x12\x19\n\x11\x64\x65\x61\x64_letter_count\x18\t \x01(\x03\x1a>\n\x1c\x44roppedTrajectoryCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x36\n\x14LastStepMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x39\n\x17SkippedGroupCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x17\n\x15GetRunSettingsRequest\"\x9b\x01\n\x16GetRunSettingsResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tredis_url\x18\x02 \x01(\t\x12\x1d\n\x15trajectory_stream_key\x18\x03 \x01(\t\x12\x14\n\x0cseen_set_key\x18\x04 \x01(\t\x12)\n\x07rollout\x18\x05 \x01(\x0b\x32\x18.molt.v1.RolloutSettings\"+\n\x15SaveCheckpointRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\"-\n\x12StopLearnerRequest\x12\x17\n\x0fsave_checkpoint\x18\x01 \x01(\x08\"#\n\x13StopLearnerResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x32\xd9\x02\n\x0eLearnerService\x12W\n\x10GetLearnerStatus\x12 .molt.v1.GetLearnerStatusRequest\x1a!.molt.v1.GetLearnerStatusResponse\x12Q\n\x0eSaveCheckpoint\x12\x1e.molt.v1.SaveCheckpointRequest\x1a\x1f.molt.v1.SaveCheckpointResponse\x12H\n\x0bStopLearner\x12\x1b.molt.v1.StopLearnerRequest\x1a\x1c.molt.v1.StopLearnerResponse\x12Q\n\x0eGetRunSettings\x12\x1e.molt.v1.GetRunSettingsRequest\x1a\x1f.molt.v1.GetRunSettingsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,26 +37,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLEARNERSTATUSRESPONSE_DROPPEDTRAJECTORYCOUNTSENTRY']._serialized_options = b'8\001'
   _globals['_GETLEARNERSTATUSRESPONSE_LASTSTEPMETRICSENTRY']._loaded_options = None
   _globals['_GETLEARNERSTATUSRESPONSE_LASTSTEPMETRICSENTRY']._serialized_options = b'8\001'
+  _globals['_GETLEARNERSTATUSRESPONSE_SKIPPEDGROUPCOUNTSENTRY']._loaded_options = None
+  _globals['_GETLEARNERSTATUSRESPONSE_SKIPPEDGROUPCOUNTSENTRY']._serialized_options = b'8\001'
   _globals['_GETLEARNERSTATUSREQUEST']._serialized_start=89
   _globals['_GETLEARNERSTATUSREQUEST']._serialized_end=114
   _globals['_GETLEARNERSTATUSRESPONSE']._serialized_start=117
-  _globals['_GETLEARNERSTATUSRESPONSE']._serialized_end=600
-  _globals['_GETLEARNERSTATUSRESPONSE_DROPPEDTRAJECTORYCOUNTSENTRY']._serialized_start=482
-  _globals['_GETLEARNERSTATUSRESPONSE_DROPPEDTRAJECTORYCOUNTSENTRY']._serialized_end=544
-  _globals['_GETLEARNERSTATUSRESPONSE_LASTSTEPMETRICSENTRY']._serialized_start=546
-  _globals['_GETLEARNERSTATUSRESPONSE_LASTSTEPMETRICSENTRY']._serialized_end=600
-  _globals['_GETRUNSETTINGSREQUEST']._serialized_start=602
-  _globals['_GETRUNSETTINGSREQUEST']._serialized_end=625
-  _globals['_GETRUNSETTINGSRESPONSE']._serialized_start=628
-  _globals['_GETRUNSETTINGSRESPONSE']._serialized_end=783
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=785
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=828
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=830
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=882
-  _globals['_STOPLEARNERREQUEST']._serialized_start=884
-  _globals['_STOPLEARNERREQUEST']._serialized_end=929
-  _globals['_STOPLEARNERRESPONSE']._serialized_start=931
-  _globals['_STOPLEARNERRESPONSE']._serialized_end=966
-  _globals['_LEARNERSERVICE']._serialized_start=969
-  _globals['_LEARNERSERVICE']._serialized_end=1314
+  _globals['_GETLEARNERSTATUSRESPONSE']._serialized_end=775
+  _globals['_GETLEARNERSTATUSRESPONSE_DROPPEDTRAJECTORYCOUNTSENTRY']._serialized_start=598
+  _globals['_GETLEARNERSTATUSRESPONSE_DROPPEDTRAJECTORYCOUNTSENTRY']._serialized_end=660
+  _globals['_GETLEARNERSTATUSRESPONSE_LASTSTEPMETRICSENTRY']._serialized_start=662
+  _globals['_GETLEARNERSTATUSRESPONSE_LASTSTEPMETRICSENTRY']._serialized_end=716
+  _globals['_GETLEARNERSTATUSRESPONSE_SKIPPEDGROUPCOUNTSENTRY']._serialized_start=718
+  _globals['_GETLEARNERSTATUSRESPONSE_SKIPPEDGROUPCOUNTSENTRY']._serialized_end=775
+  _globals['_GETRUNSETTINGSREQUEST']._serialized_start=777
+  _globals['_GETRUNSETTINGSREQUEST']._serialized_end=800
+  _globals['_GETRUNSETTINGSRESPONSE']._serialized_start=803
+  _globals['_GETRUNSETTINGSRESPONSE']._serialized_end=958
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=960
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1003
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1005
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1057
+  _globals['_STOPLEARNERREQUEST']._serialized_start=1059
+  _globals['_STOPLEARNERREQUEST']._serialized_end=1104
+  _globals['_STOPLEARNERRESPONSE']._serialized_start=1106
+  _globals['_STOPLEARNERRESPONSE']._serialized_end=1141
+  _globals['_LEARNERSERVICE']._serialized_start=1144
+  _globals['_LEARNERSERVICE']._serialized_end=1489
 # @@protoc_insertion_point(module_scope)

@@ -85,6 +85,26 @@ class GetLearnerStatusResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SkippedGroupCountsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STEP_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     CONSUMED_TRAJECTORY_COUNT_FIELD_NUMBER: _builtins.int
@@ -92,6 +112,8 @@ class GetLearnerStatusResponse(_message.Message):
     LAST_STEP_METRICS_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     LAST_STEP_TIME_FIELD_NUMBER: _builtins.int
+    SKIPPED_GROUP_COUNTS_FIELD_NUMBER: _builtins.int
+    DEAD_LETTER_COUNT_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Optimizer steps completed (and committed), >= 0."""
     policy_version: _builtins.int
@@ -100,6 +122,8 @@ class GetLearnerStatusResponse(_message.Message):
     """Trajectories trained on."""
     last_checkpoint_step: _builtins.int
     """Step of the newest complete checkpoint; -1 when none."""
+    dead_letter_count: _builtins.int
+    """Entries in the run's dead-letter stream (malformed entries, groups of refused steps), read now."""
     @_builtins.property
     def dropped_trajectory_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Trajectories dropped before training, by reason (e.g. "stale", "duplicate")."""
@@ -112,6 +136,14 @@ class GetLearnerStatusResponse(_message.Message):
     def last_step_time(self) -> _timestamp_pb2.Timestamp:
         """When the last step finished."""
 
+    @_builtins.property
+    def skipped_group_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Groups skipped whole (none of their samples trained on; acknowledged and recorded in the run's
+        skipped set, docs/queue.md), by the reason that dropped them: the first, in precedence order,
+        of invalid_token, invalid_logprob, group_of_one, duplicate, too_long, no_loss_tokens,
+        future_version, stale. Counted since this learner process started.
+        """
+
     def __init__(
         self,
         *,
@@ -122,10 +154,12 @@ class GetLearnerStatusResponse(_message.Message):
         last_step_metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         last_checkpoint_step: _builtins.int = ...,
         last_step_time: _timestamp_pb2.Timestamp | None = ...,
+        skipped_group_counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        dead_letter_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_step_time", b"last_step_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed_trajectory_count", b"consumed_trajectory_count", "dropped_trajectory_counts", b"dropped_trajectory_counts", "last_checkpoint_step", b"last_checkpoint_step", "last_step_metrics", b"last_step_metrics", "last_step_time", b"last_step_time", "policy_version", b"policy_version", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed_trajectory_count", b"consumed_trajectory_count", "dead_letter_count", b"dead_letter_count", "dropped_trajectory_counts", b"dropped_trajectory_counts", "last_checkpoint_step", b"last_checkpoint_step", "last_step_metrics", b"last_step_metrics", "last_step_time", b"last_step_time", "policy_version", b"policy_version", "skipped_group_counts", b"skipped_group_counts", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
