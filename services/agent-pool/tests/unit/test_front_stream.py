@@ -16,8 +16,7 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from molt.agent_pool.episodes import TurnLimits
-from molt.agent_pool.front import ChatFront, Commit
-from molt.agent_pool.service import start_front
+from molt.agent_pool.front import ChatFront, Commit, start_front
 from molt.core.testing import free_port
 
 

@@ -7,10 +7,12 @@ when the conversation no longer fits the model's context (finish "length").
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt
 from molt.agent_pool.calls import AgentThread, has_plain_methods
@@ -18,9 +20,7 @@ from molt.agent_pool.router_client import GenerationRequest, RouterClient
 from molt.agent_pool.transcript import Segment, Transcript
 from molt.core.errors import Unavailable
 
-if TYPE_CHECKING:  # the front imports TurnLimits from here
-    from molt.agent_pool.front import ChatFront
-
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -50,6 +50,29 @@ class TurnLimits:
         context and the router's cap; below 1 when the context is full."""
         room = self.max_model_len - prompt_len
         return min(requested or self.max_tokens, room, self.max_tokens_cap or room)
+
+
+EpisodeRunner = Callable[[Prompt], Awaitable[Episode]]
+
+
+class FrontSession(Protocol):
+    """One session of the HTTP front as an episode uses it: its URL id, its key and its record."""
+
+    id: str
+    key: str
+    transcript: Transcript
+
+
+class ChatSessions(Protocol):
+    """What a ChatAgent's episode needs of the HTTP front (``front.ChatFront``): a session per episode
+    and the SDK HTTP clients every episode shares. Declared here so that this module, below the
+    front, does not import it."""
+
+    def open_session(self) -> FrontSession: ...
+
+    def close_session(self, session_id: str) -> object: ...
+
+    def sdk_http_clients(self, blocking: bool = False) -> tuple[Any, Any]: ...
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -122,7 +145,7 @@ async def _play(
     )
 
 
-async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: ChatFront, base_url: str) -> Episode:
+async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: ChatSessions, base_url: str) -> Episode:
     """Runs the user's own loop against a fresh front session; the session's transcript is the episode.
 
     An ``async def run`` gets ``openai.AsyncOpenAI`` and ``anthropic.AsyncAnthropic`` clients; a plain
@@ -166,3 +189,21 @@ async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: Ch
         started=started,
         duration_s=time.monotonic() - wall,
     )
+
+
+def env_runner(env_cls: type[Env], tokenizer: object, router: RouterClient, limits: TurnLimits) -> EpisodeRunner:
+    """Episodes of ``env_cls``, each with a fresh transcript."""
+
+    async def run(prompt: Prompt) -> Episode:
+        return await run_env_episode(env_cls, prompt, Transcript(tokenizer), router, limits)
+
+    return run
+
+
+def chat_runner(agent_cls: type[ChatAgent], front: ChatSessions, base_url: str) -> EpisodeRunner:
+    """Episodes of ``agent_cls``, each in a fresh session of the front at ``base_url``."""
+
+    async def run(prompt: Prompt) -> Episode:
+        return await run_chat_episode(agent_cls, prompt, front, base_url)
+
+    return run

@@ -29,6 +29,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -747,3 +748,22 @@ def error_body(api: str, status: int, message: str) -> dict[str, Any]:
     if api == "anthropic":
         return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": message, "type": kind, "code": status}}
+
+
+class FrontServer(uvicorn.Server):
+    """uvicorn inside the service's event loop; signals stay with the gRPC host's graceful shutdown."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+async def start_front(front: ChatFront, listen: str) -> tuple[FrontServer, asyncio.Task[None], str]:
+    host, port = listen.rsplit(":", 1)
+    server = FrontServer(uvicorn.Config(front.app, host=host, port=int(port), log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # raises the bind error
+            raise OSError(f"the HTTP front could not start on {listen}")
+        await asyncio.sleep(0.05)
+    return server, task, f"http://{listen}"

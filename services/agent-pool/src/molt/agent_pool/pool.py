@@ -35,14 +35,14 @@ from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
 from molt.agent_pool.calls import within
 from molt.agent_pool.config import AgentPoolSettings
-from molt.agent_pool.episodes import Episode
+from molt.agent_pool.episodes import Episode, EpisodeRunner
+from molt.agent_pool.version_watch import VERSION_POLL_S
 from molt.core.errors import Backpressure, InvalidInput, Unavailable
 from molt.core.queue import PutResult, TrajectoryQueue
 from molt.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-EpisodeRunner = Callable[[Prompt], Awaitable[Episode]]
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
@@ -98,7 +98,6 @@ class PoolStats:
     backpressured: bool = False
 
 
-VERSION_POLL_S = 0.05  # how often a pool held back by staleness asks for the policy version
 PUT_WAIT_S = 1.0  # one try of a put into a full queue (the pool says it is waiting, and can stop, between tries)
 RETRY_MAX_S = 10.0  # longest wait between tries when Redis does not answer
 FAILING_BACKOFF_MAX_S = 30.0  # longest pause before a group when every episode of the last ones failed
