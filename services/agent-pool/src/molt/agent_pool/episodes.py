@@ -2,10 +2,13 @@
 
 An episode ends when the Env says ``done``, after ``Env.max_turns`` turns, or
 when the conversation no longer fits the model's context (finish "length").
+``attempt`` bounds an episode in time and turns its failures into counted reasons:
+the pool and the evaluator run every episode through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -14,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from molt.agent_pool import metrics
 from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt
-from molt.agent_pool.calls import AgentThread, has_plain_methods
+from molt.agent_pool.calls import AgentThread, has_plain_methods, within
 from molt.agent_pool.router_client import GenerationRequest, RouterClient
 from molt.agent_pool.transcript import Segment, Transcript
 from molt.core.errors import Unavailable
@@ -207,3 +211,37 @@ def chat_runner(agent_cls: type[ChatAgent], front: ChatSessions, base_url: str) 
         return await run_chat_episode(agent_cls, prompt, front, base_url)
 
     return run
+
+
+async def attempt(
+    runner: EpisodeRunner, prompt: Prompt, timeout_s: float, purpose: str
+) -> tuple[Episode | None, str | None]:
+    """Runs one episode: ``(episode, None)``, or ``(None, reason)`` when it failed (logged, counted).
+
+    Cancellation is counted as "stopped" and re-raised. Past ``timeout_s`` the episode is given up
+    at once, even when the agent ignores its cancellation (``calls.within``).
+    """
+    metrics.EPISODES_STARTED.labels(purpose).inc()
+    try:
+        episode = await within(runner(prompt), timeout_s)
+    except TimeoutError:
+        return None, _failed("timeout", purpose, prompt, None)
+    except asyncio.CancelledError:
+        _failed("stopped", purpose, prompt, None)
+        raise
+    except Unavailable as exc:
+        return None, _failed("router_unavailable", purpose, prompt, exc)
+    except Exception as exc:  # the agent's own code raised: a failed episode, logged with traceback
+        return None, _failed("exception", purpose, prompt, exc)
+    if not episode.segments:
+        return None, _failed("no_tokens", purpose, prompt, None)
+    metrics.EPISODES_FINISHED.labels(purpose).inc()
+    return episode, None
+
+
+def _failed(reason: str, purpose: str, prompt: Prompt, exc: BaseException | None) -> str:
+    metrics.EPISODES_FAILED.labels(purpose, reason).inc()
+    log.warning(
+        "episode failed", exc_info=exc, extra={"reason": reason, "purpose": purpose, "prompt_id": prompt.get("id")}
+    )
+    return reason

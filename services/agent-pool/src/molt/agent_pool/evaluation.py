@@ -28,8 +28,8 @@ from pathlib import Path
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
 from molt.agent_pool.config import EvalSettings
-from molt.agent_pool.episodes import Episode, EpisodeRunner
-from molt.agent_pool.pool import PromptSource, attempt
+from molt.agent_pool.episodes import Episode, EpisodeRunner, attempt
+from molt.agent_pool.prompts import PromptSource
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5

@@ -14,7 +14,8 @@ from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import TurnLimits, chat_runner, env_runner
 from molt.agent_pool.evaluation import Evaluator
 from molt.agent_pool.front import ChatFront, start_front
-from molt.agent_pool.pool import PromptSource, RolloutPool
+from molt.agent_pool.pool import RolloutPool
+from molt.agent_pool.prompts import PromptSource
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.server import AgentPoolServicer
 from molt.agent_pool.version_watch import VersionWatch
