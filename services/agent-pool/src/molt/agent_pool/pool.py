@@ -137,7 +137,7 @@ class RolloutPool:
         slots = asyncio.Semaphore(self.settings.groups_in_flight)
         # A pool started mid-run (a restart, another pool) counts from here: from the version now and behind
         # the groups already waiting for the learner. Counted from 0 at version 0 instead, a pool started at
-        # version 100 would start ~100 steps' worth of groups unpaced, most of them stale when trained.
+        # version 100 would start 100 steps' worth of groups unpaced, most of them stale when trained.
         self.skipped_before = await self._learner_skipped()
         self.stats.start_version = self.policy_version()
         self.stats.backlog_groups = await self._backlog()  # this pool's earlier groups not yet read included
