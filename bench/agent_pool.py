@@ -154,10 +154,9 @@ async def client_setup_ms(front: Any, base_url: str, count: int = 20) -> tuple[f
 async def bench(address: str, model: Path, prompts: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from molt.agent_pool.episodes import TurnLimits
-    from molt.agent_pool.front import ChatFront
+    from molt.agent_pool.episodes import TurnLimits, chat_runner
+    from molt.agent_pool.front import ChatFront, start_front
     from molt.agent_pool.router_client import RouterClient
-    from molt.agent_pool.service import chat_runner, start_front
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     router = RouterClient(address)

@@ -21,11 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Env, Message, Prompt, StepResult, load_agent
 from molt.agent_pool.config import AgentPoolSettings, EvalSettings
-from molt.agent_pool.episodes import TurnLimits
+from molt.agent_pool.episodes import TurnLimits, env_runner
 from molt.agent_pool.evaluation import Evaluator
-from molt.agent_pool.pool import PromptSource, RolloutPool
+from molt.agent_pool.pool import RolloutPool
+from molt.agent_pool.prompts import PromptSource
 from molt.agent_pool.router_client import RouterClient
-from molt.agent_pool.service import VersionWatch, env_runner
+from molt.agent_pool.version_watch import VersionWatch
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import RedisServer, ServiceProcess, free_port, nest_rollout, scrape
 from molt.learner.synthetic import named_group

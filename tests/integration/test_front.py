@@ -21,11 +21,12 @@ from transformers import AutoTokenizer
 
 from molt.agent_pool.agents import AgentResult, ChatAgent, Prompt, load_agent
 from molt.agent_pool.config import AgentPoolSettings
-from molt.agent_pool.episodes import TurnLimits
-from molt.agent_pool.front import ChatFront, Session
-from molt.agent_pool.pool import PromptSource, RolloutPool
+from molt.agent_pool.episodes import TurnLimits, chat_runner
+from molt.agent_pool.front import ChatFront, start_front
+from molt.agent_pool.pool import RolloutPool
+from molt.agent_pool.prompts import PromptSource
 from molt.agent_pool.router_client import RouterClient
-from molt.agent_pool.service import chat_runner, start_front
+from molt.agent_pool.sessions import Session
 from molt.algos.advantages import grpo
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import RedisServer, free_port

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from molt.agent_pool.router_client import RouterClient
-from molt.agent_pool.service import VersionWatch
+from molt.agent_pool.version_watch import VersionWatch
 from molt.core.config import RunSettings
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import error_info

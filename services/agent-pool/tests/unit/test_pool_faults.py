@@ -19,7 +19,8 @@ import redis
 from molt.agent_pool.agents import Prompt, load_agent
 from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode, _messages, _reward
-from molt.agent_pool.pool import PromptSource, RolloutPool
+from molt.agent_pool.pool import RolloutPool
+from molt.agent_pool.prompts import PromptSource
 from molt.agent_pool.transcript import Segment
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import free_port, nest_rollout

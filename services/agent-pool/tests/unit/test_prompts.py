@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.agent_pool.pool import PromptSource
+from molt.agent_pool.prompts import PromptSource
 from molt.core.errors import InvalidInput
 
 

@@ -1,32 +1,13 @@
 """The public agent API: what a user writes to make an agent trainable.
 
-Two shapes, chosen in the recipe by ``agent = "package.module:Class"`` or
-``agent = "path/to/file.py:Class"``:
-
-- ``Env``: molt drives the LLM loop. ``reset(prompt)`` gives the first
-  observation (chat messages), ``step(action_text)`` the next observation,
-  reward and done flag. Observation tokens are masked out of the loss.
-- ``ChatAgent``: your own loop. ``run(client, prompt)`` gets an OpenAI-compatible
-  client (and an Anthropic-compatible one) pointed at molt's HTTP front, which
-  records the exact sampled tokens; it returns the episode's reward.
-
-Both may be written with plain or ``async`` methods. An ``async`` method runs on
-the pool's event loop; plain ones run on a thread of their own per episode (with
-the constructor), so a blocking call stalls only its episode. Threads are reused by
-later episodes once theirs ended, so thread-local state can outlive an episode. A plain
-``ChatAgent.run`` gets the SDKs' sync clients (``openai.OpenAI``). One instance
-serves one episode (molt creates a fresh one per episode), so instance state is
-safe; state shared across episodes must be thread-safe when methods are plain.
-
-Example::
-
-    class Countdown(Env):
-        async def reset(self, prompt):
-            self.target = prompt["answer"]
-            return [{"role": "user", "content": prompt["question"]}]
-
-        async def step(self, action):
-            return StepResult(reward=float(action.strip() == self.target), done=True)
+Two shapes, chosen in the recipe by ``agent = "package.module:Class"`` or ``"path/to/file.py:Class"``:
+``Env``, where molt drives the LLM loop (``reset(prompt)`` gives the first messages, ``step(action_text)``
+the next observation, reward and done flag; observation tokens are masked out of the loss), and
+``ChatAgent``, your own loop (``run(client, prompt)`` gets OpenAI and Anthropic SDK clients pointed at
+molt's HTTP front, which records the exact sampled tokens, and returns the episode's reward).
+Methods may be plain or ``async``; how each runs, on the pool's loop or the episode's thread: ``calls``.
+One instance serves one episode (molt makes a fresh one per episode), so instance state is safe;
+state shared across episodes must be thread-safe when methods are plain.
 """
 
 from __future__ import annotations
@@ -70,6 +51,16 @@ class Env(ABC):
     Class attributes: ``tools`` (OpenAI tool schemas rendered into the prompt), ``max_turns``,
     ``max_tokens`` (sampled tokens per turn; ``None``: the pool's ``max_tokens``; an Env may set it
     per episode in ``reset``, and it never exceeds the pool's).
+
+    Example::
+
+        class Countdown(Env):
+            async def reset(self, prompt):
+                self.target = prompt["answer"]
+                return [{"role": "user", "content": prompt["question"]}]
+
+            async def step(self, action):
+                return StepResult(reward=float(action.strip() == self.target), done=True)
     """
 
     tools: list[dict[str, Any]] | None = None

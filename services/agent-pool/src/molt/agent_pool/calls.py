@@ -1,20 +1,15 @@
 """How the pool calls an agent's code, and how it bounds an episode.
 
 - An ``async`` method runs on the pool's event loop.
-- A plain method runs on its episode's own thread: one per episode while it runs,
-  taken when the agent class has a plain method (its constructor then runs there
-  too), so the episode's plain calls all run on one thread, one at a time. A method
-  that blocks (a subprocess, a sync HTTP client, ``time.sleep``) stalls only its own
-  episode. Episodes run side by side, so state shared across episodes (module
-  globals) must be thread-safe. A thread is kept after its episode ends and handed
-  to a later one (starting a thread cost ~125 us, about half of what a short
-  episode's three hand-overs cost), so thread-local state can outlive its episode.
-- An episode past its timeout, or stopped, is given up at once. A plain call still
-  running then goes on in its thread (a thread cannot be stopped) and async code
-  that ignores its cancellation goes on as a task: both are counted in
-  ``molt_agent_pool_agent_calls_overrunning`` and logged, and neither holds its
-  group back. The threads are daemons, so a call that never returns does not keep
-  the process from exiting.
+- A plain method runs on its episode's own thread (taken when the agent class has one; its
+  constructor runs there too), one call at a time: a method that blocks stalls only its own
+  episode, and state shared across episodes must be thread-safe. A thread is kept after its
+  episode and handed to a later one (a fresh thread per episode costs a short episode dearly),
+  so thread-local state can outlive its episode.
+- An episode past its timeout, or stopped, is given up at once. Agent code still running then
+  goes on (a thread cannot be stopped; async code may ignore its cancellation), counted in
+  ``molt_agent_pool_agent_calls_overrunning`` and logged, without holding its group back. The
+  threads are daemons, so a call that never returns does not keep the process from exiting.
 """
 
 from __future__ import annotations

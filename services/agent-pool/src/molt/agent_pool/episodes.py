@@ -2,25 +2,29 @@
 
 An episode ends when the Env says ``done``, after ``Env.max_turns`` turns, or
 when the conversation no longer fits the model's context (finish "length").
+``attempt`` bounds an episode in time and turns its failures into counted reasons:
+the pool and the evaluator run every episode through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from molt.agent_pool import metrics
 from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt
-from molt.agent_pool.calls import AgentThread, has_plain_methods
+from molt.agent_pool.calls import AgentThread, has_plain_methods, within
 from molt.agent_pool.router_client import GenerationRequest, RouterClient
 from molt.agent_pool.transcript import Segment, Transcript
 from molt.core.errors import Unavailable
 
-if TYPE_CHECKING:  # the front imports TurnLimits from here
-    from molt.agent_pool.front import ChatFront
-
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -50,6 +54,29 @@ class TurnLimits:
         context and the router's cap; below 1 when the context is full."""
         room = self.max_model_len - prompt_len
         return min(requested or self.max_tokens, room, self.max_tokens_cap or room)
+
+
+EpisodeRunner = Callable[[Prompt], Awaitable[Episode]]
+
+
+class FrontSession(Protocol):
+    """One session of the HTTP front as an episode uses it: its URL id, its key and its record."""
+
+    id: str
+    key: str
+    transcript: Transcript
+
+
+class ChatSessions(Protocol):
+    """What a ChatAgent's episode needs of the HTTP front (``front.ChatFront``): a session per episode
+    and the SDK HTTP clients every episode shares. Declared here so that this module, below the
+    front, does not import it."""
+
+    def open_session(self) -> FrontSession: ...
+
+    def close_session(self, session_id: str) -> object: ...
+
+    def sdk_http_clients(self, blocking: bool = False) -> tuple[Any, Any]: ...
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -122,7 +149,7 @@ async def _play(
     )
 
 
-async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: ChatFront, base_url: str) -> Episode:
+async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: ChatSessions, base_url: str) -> Episode:
     """Runs the user's own loop against a fresh front session; the session's transcript is the episode.
 
     An ``async def run`` gets ``openai.AsyncOpenAI`` and ``anthropic.AsyncAnthropic`` clients; a plain
@@ -166,3 +193,55 @@ async def run_chat_episode(agent_cls: type[ChatAgent], prompt: Prompt, front: Ch
         started=started,
         duration_s=time.monotonic() - wall,
     )
+
+
+def env_runner(env_cls: type[Env], tokenizer: object, router: RouterClient, limits: TurnLimits) -> EpisodeRunner:
+    """Episodes of ``env_cls``, each with a fresh transcript."""
+
+    async def run(prompt: Prompt) -> Episode:
+        return await run_env_episode(env_cls, prompt, Transcript(tokenizer), router, limits)
+
+    return run
+
+
+def chat_runner(agent_cls: type[ChatAgent], front: ChatSessions, base_url: str) -> EpisodeRunner:
+    """Episodes of ``agent_cls``, each in a fresh session of the front at ``base_url``."""
+
+    async def run(prompt: Prompt) -> Episode:
+        return await run_chat_episode(agent_cls, prompt, front, base_url)
+
+    return run
+
+
+async def attempt(
+    runner: EpisodeRunner, prompt: Prompt, timeout_s: float, purpose: str
+) -> tuple[Episode | None, str | None]:
+    """Runs one episode: ``(episode, None)``, or ``(None, reason)`` when it failed (logged, counted).
+
+    Cancellation is counted as "stopped" and re-raised. Past ``timeout_s`` the episode is given up
+    at once, even when the agent ignores its cancellation (``calls.within``).
+    """
+    metrics.EPISODES_STARTED.labels(purpose).inc()
+    try:
+        episode = await within(runner(prompt), timeout_s)
+    except TimeoutError:
+        return None, _failed("timeout", purpose, prompt, None)
+    except asyncio.CancelledError:
+        _failed("stopped", purpose, prompt, None)
+        raise
+    except Unavailable as exc:
+        return None, _failed("router_unavailable", purpose, prompt, exc)
+    except Exception as exc:  # the agent's own code raised: a failed episode, logged with traceback
+        return None, _failed("exception", purpose, prompt, exc)
+    if not episode.segments:
+        return None, _failed("no_tokens", purpose, prompt, None)
+    metrics.EPISODES_FINISHED.labels(purpose).inc()
+    return episode, None
+
+
+def _failed(reason: str, purpose: str, prompt: Prompt, exc: BaseException | None) -> str:
+    metrics.EPISODES_FAILED.labels(purpose, reason).inc()
+    log.warning(
+        "episode failed", exc_info=exc, extra={"reason": reason, "purpose": purpose, "prompt_id": prompt.get("id")}
+    )
+    return reason

@@ -1,18 +1,15 @@
 """Held-out evaluation: the agent on test prompts, scored, never queued for training.
 
-A pass runs every test prompt ``samples_per_prompt`` times through the same
-episode runner (and so the same router and sampling) as training. Passes run
-at start (while training may already be producing), whenever the policy
-version crosses a multiple of ``every_versions``, and once more at a graceful
-stop when the latest pass saw an older version. Each pass appends one JSON line
-to ``<run_dir>/eval.jsonl``::
+A pass runs every test prompt ``samples_per_prompt`` times through the training's episode
+runner (same router, same sampling): at start, whenever the policy version crosses a multiple
+of ``every_versions``, and at a graceful stop when the latest pass saw an older version. Each
+pass appends one line to ``<run_dir>/eval.jsonl``::
 
     {"policy_version": 3, "mean_reward": 0.42, "episodes": 64, "failed": 0,
      "time": 1760000000.0, "token_versions": [3, 3], "duration_s": 12.5}
 
-``policy_version`` is the version when the pass started; ``token_versions`` the
-oldest and newest version of the tokens actually sampled (a refit during the
-pass widens it). ``mean_reward`` averages the episodes that did not fail.
+``policy_version``: the version when the pass started; ``token_versions``: the oldest and newest
+version of the tokens sampled (a refit mid-pass widens it); ``mean_reward``: over the episodes that did not fail.
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ from pathlib import Path
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
 from molt.agent_pool.config import EvalSettings
-from molt.agent_pool.episodes import Episode
-from molt.agent_pool.pool import EpisodeRunner, PromptSource, attempt
+from molt.agent_pool.episodes import Episode, EpisodeRunner, attempt
+from molt.agent_pool.prompts import PromptSource
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5

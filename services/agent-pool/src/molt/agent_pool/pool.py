@@ -1,81 +1,46 @@
 """The streaming pool: keeps prompt groups in flight and queues each group once all its episodes end.
 
-- ``groups_in_flight`` groups run at once, ``max_concurrent_episodes`` episodes in all;
-  a slow group never blocks the others (its tail carries over, it is not dropped).
-- An episode that raises, times out or loses the router is a *failed* episode:
-  counted by reason, logged with its traceback, never queued.
+- ``groups_in_flight`` groups run at once, ``max_concurrent_episodes`` episodes in all; a slow
+  group never blocks the others. A failed episode (``episodes.attempt``) is counted, never queued.
 - Dynamic filtering drops groups whose mean reward is not strictly inside the band.
-- Staleness backpressure: group k starts only when the policy version is at least
-  ``k // groups_per_step - max_staleness``, so a group the learner trains in its slot is at
-  most ``max_staleness`` versions old (one with a long response arrives later, and under
-  partial rollout its first tokens may be older: docs/queue.md). k counts the groups the
-  learner can still train: groups this pool filtered or could not queue, and groups the
-  learner skipped (the queue's counter), do not count, since the learner takes others
-  in their place (docs/queue.md, "Pacing a producer").
+- Staleness backpressure: group k starts only once the policy version is at least
+  ``k // groups_per_step - max_staleness``, so a group the learner trains in its slot is at most
+  ``max_staleness`` versions old (partial rollout aside: docs/queue.md). k counts only the groups
+  the learner can still train: not those filtered, left unqueued or skipped by the learner, since
+  it takes others in their place (docs/queue.md, "Pacing a producer").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import random
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from google.protobuf import duration_pb2, timestamp_pb2
 from redis import RedisError
 
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
-from molt.agent_pool.calls import within
 from molt.agent_pool.config import AgentPoolSettings
-from molt.agent_pool.episodes import Episode
-from molt.core.errors import Backpressure, InvalidInput, Unavailable
+from molt.agent_pool.episodes import Episode, EpisodeRunner, attempt
+from molt.agent_pool.prompts import PromptSource
+from molt.agent_pool.version_watch import VERSION_POLL_S
+from molt.core.errors import Backpressure, InvalidInput
 from molt.core.queue import PutResult, TrajectoryQueue
 from molt.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-EpisodeRunner = Callable[[Prompt], Awaitable[Episode]]
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "aborted": common_pb2.FINISH_REASON_ABORTED,
 }
-
-
-class PromptSource:
-    """Cycles through a JSONL prompt file, reshuffled (seeded) every epoch."""
-
-    def __init__(self, path: Path, seed: int = 0) -> None:
-        self.prompts: list[Prompt] = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                prompt = json.loads(line)
-            except ValueError as exc:
-                raise InvalidInput(f"{path}:{number} is not valid JSON: {exc}") from exc
-            if not isinstance(prompt, dict):
-                raise InvalidInput(f"{path}:{number} is not a JSON object")
-            prompt.setdefault("id", f"{path.stem}-{len(self.prompts) + 1}")  # counts prompts, not blank lines
-            self.prompts.append(prompt)
-        if not self.prompts:
-            raise InvalidInput(f"prompt file {path} is empty")
-        self.rng = random.Random(seed)
-        self.order: list[int] = []
-
-    def next(self) -> Prompt:
-        if not self.order:
-            self.order = list(range(len(self.prompts)))
-            self.rng.shuffle(self.order)
-        return self.prompts[self.order.pop()]
 
 
 @dataclass
@@ -98,7 +63,6 @@ class PoolStats:
     backpressured: bool = False
 
 
-VERSION_POLL_S = 0.05  # how often a pool held back by staleness asks for the policy version
 PUT_WAIT_S = 1.0  # one try of a put into a full queue (the pool says it is waiting, and can stop, between tries)
 RETRY_MAX_S = 10.0  # longest wait between tries when Redis does not answer
 FAILING_BACKOFF_MAX_S = 30.0  # longest pause before a group when every episode of the last ones failed
@@ -173,7 +137,7 @@ class RolloutPool:
         slots = asyncio.Semaphore(self.settings.groups_in_flight)
         # A pool started mid-run (a restart, another pool) counts from here: from the version now and behind
         # the groups already waiting for the learner. Counted from 0 at version 0 instead, a pool started at
-        # version 100 would start ~100 steps' worth of groups unpaced, most of them stale when trained.
+        # version 100 would start 100 steps' worth of groups unpaced, most of them stale when trained.
         self.skipped_before = await self._learner_skipped()
         self.stats.start_version = self.policy_version()
         self.stats.backlog_groups = await self._backlog()  # this pool's earlier groups not yet read included
@@ -209,8 +173,8 @@ class RolloutPool:
                 )
             self.stats.backpressured = True
             metrics.BACKPRESSURED.set(1)
-            # Held back, the engines may idle: learn of a new version at once (a background poll once a
-            # second left every new version unused for half a second on average on a fast loop).
+            # Held back, the engines may idle: learn of a new version at once, not at the next tick of
+            # a slow background poll, which would leave each new version unused meanwhile.
             if self.wait_version is not None:
                 await self.wait_version()
             else:
@@ -255,8 +219,8 @@ class RolloutPool:
 
     async def _redis_failed(self, what: str, exc: RedisError) -> None:
         """A pacing read Redis did not answer: logged at most every REDIS_WARN_EVERY_S (with how many
-        failed since), and the caller slowed to one try a second. A Redis gone logged ~20 lines a
-        second from the staleness gate's 50 ms poll."""
+        failed since), and the caller slowed to one try a second, so that a Redis gone does not flood
+        the log from the staleness gate's poll."""
         self.redis_failures += 1
         now = time.monotonic()
         if now - self.redis_warned_at >= REDIS_WARN_EVERY_S:
@@ -351,40 +315,6 @@ class RolloutPool:
                 log.warning("cannot queue a group; trying again", extra={"error": str(exc), "retryS": retry_s})
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, RETRY_MAX_S)
-
-
-async def attempt(
-    runner: EpisodeRunner, prompt: Prompt, timeout_s: float, purpose: str
-) -> tuple[Episode | None, str | None]:
-    """Runs one episode: ``(episode, None)``, or ``(None, reason)`` when it failed (logged, counted).
-
-    Cancellation is counted as "stopped" and re-raised. Past ``timeout_s`` the episode is given up
-    at once, even when the agent ignores its cancellation (``calls.within``).
-    """
-    metrics.EPISODES_STARTED.labels(purpose).inc()
-    try:
-        episode = await within(runner(prompt), timeout_s)
-    except TimeoutError:
-        return None, _failed("timeout", purpose, prompt, None)
-    except asyncio.CancelledError:
-        _failed("stopped", purpose, prompt, None)
-        raise
-    except Unavailable as exc:
-        return None, _failed("router_unavailable", purpose, prompt, exc)
-    except Exception as exc:  # the agent's own code raised: a failed episode, logged with traceback
-        return None, _failed("exception", purpose, prompt, exc)
-    if not episode.segments:
-        return None, _failed("no_tokens", purpose, prompt, None)
-    metrics.EPISODES_FINISHED.labels(purpose).inc()
-    return episode, None
-
-
-def _failed(reason: str, purpose: str, prompt: Prompt, exc: BaseException | None) -> str:
-    metrics.EPISODES_FAILED.labels(purpose, reason).inc()
-    log.warning(
-        "episode failed", exc_info=exc, extra={"reason": reason, "purpose": purpose, "prompt_id": prompt.get("id")}
-    )
-    return reason
 
 
 def build_group(

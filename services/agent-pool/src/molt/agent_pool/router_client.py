@@ -69,8 +69,8 @@ class RouterInfo:
     rollout: RolloutSettings | None = None  # the router's [rollout] table (None: not reported)
 
 
-# A router that restarts is reached again within seconds: gRPC's default reconnect backoff grows to 120 s,
-# and a pool that had failed a few calls then kept failing for ~20 s after the router was back.
+# A router that restarts must be reached again within seconds: gRPC's default reconnect backoff grows to
+# 120 s, which would keep a pool that failed a few calls failing long after the router is back.
 RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),

@@ -1,16 +1,14 @@
 """Token-exact capture of one episode: the token ids the engine saw and sampled, turn by turn.
 
-Each turn's prompt is rendered with the chat template once. A turn *extends*
-the current segment only when the earlier messages are a prefix of the new
-ones and the template renders the old conversation as a prefix of the new
-rendering; then only the new text is tokenized and appended (loss mask 0)
-after the previous prompt and the engine's sampled ids (loss mask 1). When
-either check fails (the agent compacted or rewrote its context, or the
-template rewrites history), the segment is sealed and a new one starts from
-the full rendering (also when the tool list changes). Sampled ids are stored
-as the engine returned them, never re-encoded from text. A turn is planned
-first and committed only once its generation succeeded, so a failed or
-retried request leaves no trace.
+Each turn's prompt is rendered with the chat template once. A turn *extends* the
+current segment only when the earlier messages are a prefix of the new ones and the
+template renders the old conversation as a prefix of the new rendering; then only the
+new text is tokenized and appended (loss mask 0) after the previous prompt and the
+engine's sampled ids (loss mask 1). Otherwise (the agent rewrote its context, the
+template rewrites history, the tool list changed) the segment is sealed and a new one
+starts from the full rendering. Sampled ids are stored as the engine returned them,
+never re-encoded from text. A turn is planned first and committed only once its
+generation succeeded, so a failed or retried request leaves no trace.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The front's streamed-turn plumbing (``ChatFront._sse``) against a real uvicorn server and httpx client.
+"""The front's streamed-turn plumbing (``streams.sse``) against a real uvicorn server and httpx client.
 
 The events come from a stand-in for the router's stream (named as such: an endless generator that notes
 when it is closed); what is tested is what the front does with them when the client goes away."""
@@ -16,8 +16,8 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from molt.agent_pool.episodes import TurnLimits
-from molt.agent_pool.front import ChatFront, Commit
-from molt.agent_pool.service import start_front
+from molt.agent_pool.front import ChatFront, start_front
+from molt.agent_pool.streams import Commit, sse
 from molt.core.testing import free_port
 
 
@@ -38,7 +38,7 @@ def test_a_stream_whose_client_leaves_closes_its_source_at_once_and_one_cancelle
     async def stream(request: Request, cancel_at_once: bool = False) -> object:
         session = front.open_session()
         await session.lock.acquire()  # as _guard does before it hands the lock to the stream
-        response = front._sse("openai", session, "digest", router_stand_in(), request)
+        response = sse("openai", session, "digest", router_stand_in(), request)
         if cancel_at_once:  # the episode ends in the same turn: the stream's task never starts
             front.close_session(session.id)
         return response
