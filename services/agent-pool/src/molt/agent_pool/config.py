@@ -53,7 +53,7 @@ class AgentPoolSettings(ServiceSettings):
         4 * 1024 * 1024,
         ge=1024,
         description="Largest request body the HTTP front reads (HTTP 413 above it): rendering and tokenizing a "
-        "body takes ~1.7 s per MB on one core.",
+        "body costs CPU time in proportion to its size, on the loop that serves every other request.",
     )
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one.")
     router_address: str = Field("127.0.0.1:50051", description="RolloutService address host:port.")
