@@ -159,3 +159,24 @@ def test_pacing_reads_that_redis_does_not_answer_are_logged_once_and_slowed(
     assert reads == [None, None, None] and elapsed >= 3.0
     warnings = [r for r in caplog.records if "cannot read the learner's skipped groups" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_a_pool_with_a_share_of_the_step_paces_on_its_share(
+    tmp_path: Path, tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    """groups_per_step 4, staleness 0, a share of 2 (another producer starts the other 2): at version 0
+    the pool starts its 2 groups of step 1 and waits; with the whole step it would start all 4."""
+
+    async def started(**share: int) -> int:
+        redis_client.flushall()  # each production on an empty queue (no backlog from the other)
+        settings = make_settings(tmp_path, tiny_model, groups_per_step=4, max_staleness=0, **share)
+        queue = TrajectoryQueue(redis_client, RUN)
+        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), queue, lambda: 0)
+        pool.start(max_groups=8)
+        await asyncio.sleep(2.0)
+        count = pool.stats.started_groups
+        await pool.stop(drain=False)
+        return count
+
+    assert asyncio.run(started(groups_per_step_share=2)) == 2
+    assert asyncio.run(started()) == 4

@@ -30,7 +30,7 @@ class _PauseMode:
 class _PauseModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PauseMode.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     PAUSE_MODE_UNSPECIFIED: _PauseMode.ValueType  # 0
-    """Not set: the router's configured default mode."""
+    """Not set: keep when the router's [rollout] partial_rollout is true, else drain."""
     PAUSE_MODE_DRAIN: _PauseMode.ValueType  # 1
     """Wait until every in-flight request finished, then pause."""
     PAUSE_MODE_KEEP: _PauseMode.ValueType  # 2
@@ -42,7 +42,7 @@ class PauseMode(_PauseMode, metaclass=_PauseModeEnumTypeWrapper):
     """How PauseGeneration treats requests that are in flight."""
 
 PAUSE_MODE_UNSPECIFIED: PauseMode.ValueType  # 0
-"""Not set: the router's configured default mode."""
+"""Not set: keep when the router's [rollout] partial_rollout is true, else drain."""
 PAUSE_MODE_DRAIN: PauseMode.ValueType  # 1
 """Wait until every in-flight request finished, then pause."""
 PAUSE_MODE_KEEP: PauseMode.ValueType  # 2
@@ -561,7 +561,9 @@ class GetRouterStatusResponse(_message.Message):
 
     @_builtins.property
     def rollout(self) -> _common_pb2.RolloutSettings:
-        """The router's [rollout] table; a client of the same run compares it with its own."""
+        """The router's [rollout] table. The router has no Redis: its clients of a run record these values
+        in the run's agreement hash (docs/services.md, "The [rollout] agreement").
+        """
 
     def __init__(
         self,

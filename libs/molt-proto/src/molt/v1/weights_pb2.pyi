@@ -172,7 +172,9 @@ class RefitWeightsRequest(_message.Message):
     bucket_bytes: _builtins.int
     """Upper bound of one broadcast bucket, in bytes; 0 = the broadcaster's [broadcaster] bucket_bytes."""
     pause_mode: _rollout_pb2.PauseMode.ValueType
-    """How to pause the router; unspecified = the broadcaster's configured mode."""
+    """How to pause the router; unspecified = keep when the broadcaster's [rollout] partial_rollout is
+    true, else drain.
+    """
     run_probe: _builtins.bool
     """Run the teacher-forced logprob probe (engine vs learner) as part of validation."""
     policy_version: _builtins.int
@@ -351,7 +353,9 @@ class GetPolicyVersionResponse(_message.Message):
 
     @_builtins.property
     def rollout(self) -> _common_pb2.RolloutSettings:
-        """The broadcaster's [rollout] table; a learner of the same run compares it with its own."""
+        """The broadcaster's [rollout] table, for observation (services of a run are compared in the run's
+        agreement hash in Redis).
+        """
 
     def __init__(
         self,

@@ -73,5 +73,11 @@ class AgentPoolSettings(ServiceSettings):
     tokenizer_path: Path = Field(description="Tokenizer (with chat template) of the served model.")
     seed: int = Field(0, description="Seed of the prompt order.")
     autostart: bool = Field(True, description="Start producing at launch (else wait for StartRollouts).")
+    groups_per_step_share: int | None = Field(
+        None,
+        ge=1,
+        description="This pool's share of [rollout] groups_per_step when several producers feed one run (the "
+        "shares summing to it): it paces as if the learner took this many of its groups per version. Unset: all.",
+    )
     filter: FilterSettings = Field(default_factory=FilterSettings, description="Dynamic filtering of groups.")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Held-out evaluation passes.")

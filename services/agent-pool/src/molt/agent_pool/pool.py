@@ -160,7 +160,7 @@ class RolloutPool:
     def _needed_version(self) -> int:
         return (
             self.stats.start_version
-            + self.trainable_index // self.settings.rollout.groups_per_step
+            + self.trainable_index // (self.settings.groups_per_step_share or self.settings.rollout.groups_per_step)
             - self.settings.rollout.max_staleness
         )
 
