@@ -1,25 +1,11 @@
 """The placement plan of a recipe (``molt plan``): which node, GPUs and CPUs each process takes.
 
-Rules (what the services actually do):
-
-- The learner's ``data_parallel_size`` ranks all go to node 0, where the launcher
-  runs: one GPU each (one CPU each on a CPU run). With ``placement = "local"``
-  they are local processes (``torch.multiprocessing``, rendezvous on loopback);
-  with ``placement = "ray"`` they are Ray actors in one ``STRICT_PACK`` placement
-  group that prefers the learner process's node, and node 0's Ray head then
-  registers the learner's GPUs as well as the engines'.
-- Each of the router's ``engine_count`` engines is a Ray placement group of
-  ``tensor_parallel_size`` GPU bundles packed on one node (a tensor-parallel
-  group never spans nodes), placed first-fit on the GPUs the learner left; on a
-  CPU run an engine is one CPU bundle (vLLM's worker is a child of its actor).
-- The router, broadcaster and agent-pool processes, Redis and the Ray head run
-  on node 0 and share its CPUs (they reserve none).
-
-The plan is checked against the recipe's declared ``[launcher]`` resources
-(``nodes``, ``gpus_per_node``, ``cpus_per_node``); a plan that does not fit is a
-``PlanError`` saying what was asked for and what is left. ``molt up`` applies
-the node-0 GPU split: a locally placed learner and the local Ray head get
-disjoint ``CUDA_VISIBLE_DEVICES``.
+The learner's ranks go to node 0 (one GPU, or one CPU, each; local processes or one Ray placement
+group); each engine is a placement group of ``tensor_parallel_size`` GPUs on one node, placed
+first-fit on what the learner left (one CPU bundle on a CPU run); the router, broadcaster,
+agent-pool, Redis and the Ray head share node 0's CPUs. The plan is checked against the recipe's
+``[launcher]`` resources (a ``PlanError`` says what was asked for and what is left), the recipe
+against the learner's soundness rules, and the machine by ``preflight`` (docs/launcher.md).
 """
 
 from __future__ import annotations

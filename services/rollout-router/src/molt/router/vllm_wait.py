@@ -1,26 +1,14 @@
 """How vLLM's own processes wait for each other: spin (vLLM's default) or sleep briefly.
 
-vLLM's engine core and its worker hand every step over through a shared-memory
-queue. A reader that has read within the last second does not block on it: it
-spins, calling ``sched_yield`` until the next message (``SpinCondition.wait``).
-So while the worker computes a step, the engine core spins on the result, and
-while the engine core schedules, the worker spins on the next step: two
-processes keep two CPUs busy. On a GPU machine that costs idle host cores. On a
-CPU machine it takes the cores the model runs on: the spinning engine core
-competes with its own worker, with the engine actor's output processing, the
-router, and the learner training beside it (on 2 vCPUs it held other processes
-off the CPUs for seconds; bench/RESULTS.md).
+vLLM's engine core and worker hand every step over through a shared-memory queue, and a reader
+that read within the last second spins on it (``sched_yield``). On a CPU machine the spinning
+processes take the cores the model, the router and the learner run on; ``sleep`` replaces the
+spin with sleeps of ``SLEEP_S``, and after a second without messages vLLM's own blocking poll
+takes over as before (docs/cpu.md).
 
-``sleep`` replaces the spin with sleeps of ``SLEEP_S`` (a sleeping reader wakes
-within a fraction of a millisecond of the message; CPU steps take milliseconds).
-After a second without messages vLLM's own idle wait (a blocking poll) takes
-over as before.
-
-This is a vLLM *general plugin* (entry point ``vllm.general_plugins``), which vLLM
-loads in every process it starts: the engine core and each worker. It acts only
-in processes whose environment has ``MOLT_VLLM_WAIT=sleep``, which the engine
-actor sets before it builds its engine (``[router.engine] wait``); any other
-vLLM in the same environment (a benchmark's raw engine) keeps vLLM's behaviour.
+A vLLM *general plugin* (entry point ``vllm.general_plugins``), loaded in every process vLLM
+starts; it acts only where ``MOLT_VLLM_WAIT=sleep``, which the engine actor sets
+(``[router.engine] wait``), so any other vLLM in the environment keeps vLLM's behaviour.
 """
 
 from __future__ import annotations

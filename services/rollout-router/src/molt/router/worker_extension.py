@@ -1,22 +1,11 @@
 """Code vLLM injects into every engine worker (``worker_extension_cls``): the receiving end of a refit.
 
-Reached with ``collective_rpc`` (the engine actor forwards the broadcaster's
-calls); it runs beside the model in the worker process. A refit is:
-
-1. ``join_weight_group``: the worker becomes rank ``first_rank + worker rank``
-   of the weight group (a standalone gloo/NCCL group; see molt.core.weightsync).
-2. ``receive_weights``: every bucket of the manifest is received and **staged**
-   (nothing touches the model yet); then the manifest is checked against what
-   the engine serves (coverage: exactly the checkpoint's tensor names, shapes
-   equal, each once) and every tensor's checksum against the learner's. Only
-   when both hold are the tensors loaded, through vLLM's layerwise reload
-   (``model.load_weights`` maps checkpoint names onto fused parameters, then each
-   layer's post-load processing runs again: on CPU that re-packs the GEMM
-   weights). A refused refit leaves the old weights fully in place.
-
-Tied embeddings: the checkpoint has no ``lm_head.weight``; after reload the
-head's kernel is rebuilt from the new embedding (on CPU the head holds its own
-packed copy, which would otherwise stay at the old weights).
+Reached with ``collective_rpc`` (the engine actor forwards the broadcaster's calls), beside the model
+in the worker process: ``join_weight_group`` makes the worker a rank of the weight group
+(molt.core.weightsync); ``receive_weights`` stages every bucket, checks coverage and checksums
+against the manifest and only then loads through vLLM's layerwise reload, so a refused refit
+leaves the old weights in place. A tied head is rebuilt from the new embedding.
+docs/refit.md, "One refit, step by step", has the details.
 """
 
 from __future__ import annotations
