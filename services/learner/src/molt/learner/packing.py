@@ -119,6 +119,13 @@ def padded_micro_batches(
 Layout = Literal["packed", "padded"]
 
 
+def resolve_layout(requested: str) -> Layout:
+    """``auto`` is ``padded``: with SDPA a packed row gets a dense block-diagonal mask, so its attention
+    costs (total tokens)^2 instead of the sum of each sequence's length^2 (and loses the flash kernel on a
+    GPU); bench/RESULTS.md compares the two per step."""
+    return "packed" if requested == "packed" else "padded"
+
+
 def plan(lengths: Sequence[int], world_size: int, budget: int, layout: Layout = "packed") -> list[list[list[int]]]:
     """``plan[rank][micro]`` = sample indices; every rank has the same number of micro-batches (some empty).
 
