@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from molt.core.processes import RedisServer, ServiceProcess, free_port, start_ray_head
+from molt.core.ports import free_port
+from molt.core.processes import RedisServer, ServiceProcess, start_ray_head
 from molt.core.tiny_model import build
 
 __all__ = [

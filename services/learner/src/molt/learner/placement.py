@@ -21,7 +21,7 @@ import signal
 from typing import Any
 
 from molt.core.log import setup_logging
-from molt.core.processes import free_port
+from molt.core.ports import free_port
 from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop
 
