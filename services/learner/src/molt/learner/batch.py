@@ -1,17 +1,10 @@
 """From queue payloads to training samples: ``TrajectoryGroup`` protobufs in, ``Sample`` tensors out.
 
-``build_group`` turns one group into samples the moment it is read, and drops,
-counted by reason (``DropReason``), what must not be trained on: groups with a
-token id outside the model's vocabulary (checked once per group, vectorised) or
-a logprob that is not finite,
-samples older than ``max_staleness`` policy versions or sampled by a version
-newer than the learner's (no policy of this run made them), samples longer than
-the learner trains, trajectory ids already trained on, samples without a single
-policy token. Each queue entry is its own group and its own set of episodes, so
-two entries that reuse a ``group_id`` or a ``rollout_id`` are never merged. ``assemble`` then gives the
-samples of one optimizer step the integer group and rollout ids the estimators
-in ``molt.algos.advantages`` take, and ``padded`` lays per-token arrays on a
-``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights).
+``build_group`` turns one group into samples the moment it is read and drops,
+counted by reason (``DropReason``), what must not be trained on; ``assemble``
+gives the samples of one optimizer step the integer group and rollout ids the
+estimators in ``molt.algos.advantages`` take; ``padded`` lays per-token arrays on
+an ``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights).
 
 Token arrays use the *next-token* axis: entry ``k`` of ``loss_mask``,
 ``rollout_logprobs`` and ``policy_versions`` describes ``input_ids[k + 1]``, the
@@ -125,6 +118,10 @@ def build_group(
     ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
     ``key``: the group's identity in the step (the queue entry id; default its ``group_id``).
     ``max_length``: the most prompt + response tokens of a sample trained on (longer: "too_long").
+
+    Dropped: the whole group for a token id outside the vocabulary or a non-finite logprob; a sample
+    older than ``max_staleness`` versions or newer than the learner's, too long, already trained on, or
+    with no policy token. Entries that reuse a ``group_id`` or ``rollout_id`` are never merged.
     """
     dropped: Counter[str] = Counter()
     count = len(group.trajectories)
