@@ -47,7 +47,8 @@ from typing import Any
 import grpc
 from benchlib import start_router
 
-from molt.core.processes import free_port, session_members
+from molt.core.ports import free_port
+from molt.core.processes import session_members
 from molt.core.tiny_model import build
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 

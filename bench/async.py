@@ -49,7 +49,7 @@ from typing import Any
 
 from benchlib import CpuSampler
 
-from molt.core.processes import free_port
+from molt.core.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/tiny-cpu.toml"

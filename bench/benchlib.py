@@ -55,7 +55,8 @@ def start_router(
     """Starts ``molt-router`` on ``model`` (``dtype``, eager unless ``engine_args`` says otherwise) and waits
     until it serves; returns it and its address. ``engine_args`` pass through to vLLM as the recipe's
     ``[router.engine] engine_args`` do."""
-    from molt.core.processes import ServiceProcess, free_port
+    from molt.core.ports import free_port
+    from molt.core.processes import ServiceProcess
 
     port = free_port()
     recipe = workdir / "router.toml"

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from molt.core.processes import free_port, log_tail
+from molt.core.ports import free_port
+from molt.core.processes import log_tail
 from molt.core.testing import RedisServer
 from molt.v1 import common_pb2
 

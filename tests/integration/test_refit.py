@@ -40,6 +40,7 @@ from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop
 from molt.learner.refit import WeightPublisher, gather_for_refit
+from molt.learner.refit_faults import RefitFault
 from molt.learner.synthetic import named_group
 from molt.learner.trainer import Trainer
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
@@ -200,20 +201,17 @@ def test_refit_moves_validates_and_publishes(stack: dict[str, Any]) -> None:
 
 def test_refused_refit_keeps_the_old_weights_serving(stack: dict[str, Any]) -> None:
     before = asyncio.run(sample(stack["router"], seed=11))
-    publisher = WeightPublisher(stack["settings"], vocab_size=320)
+    # The faults: version 5 leaves a tensor out, version 6 sends bytes that differ from its announced checksum.
+    faults = [RefitFault("model.norm.weight", "drop", version=5), RefitFault("model.norm.weight", "corrupt", version=6)]
+    publisher = WeightPublisher(stack["settings"], vocab_size=320, faults=faults)
     state_a, probe_a = gather_for_refit(load(stack["model_a"]), publisher.probe)
-    missing = {k: v for k, v in state_a.items() if k != "model.norm.weight"}
     with pytest.raises(grpc.RpcError) as refused:
-        publisher.publish(5, missing, probe_a)
+        publisher.publish(5, state_a, probe_a)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "missing" in refused.value.details() and "previous weights" in refused.value.details()
 
-    corrupt = {k: v.clone() for k, v in state_a.items()}
-    honest = publisher.manifest(state_a)
-    for tensor in corrupt.values():
-        tensor.view(-1).view(torch.uint8)[0] ^= 1  # the fault: bytes differ from the announced checksums
     with pytest.raises(grpc.RpcError) as bad_bytes:
-        publisher.publish(6, corrupt, probe_a, manifest=honest)
+        publisher.publish(6, state_a, probe_a)
     assert "checksum mismatch" in bad_bytes.value.details()
 
     after = asyncio.run(sample(stack["router"], seed=11))

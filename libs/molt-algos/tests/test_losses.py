@@ -1,4 +1,4 @@
-"""Policy surrogates, value loss and entropy against float64 per-token references (value and gradient)."""
+"""Policy surrogates and value loss against float64 per-token references (value and gradient)."""
 
 from __future__ import annotations
 
@@ -214,26 +214,3 @@ def test_value_loss_without_clip_is_half_squared_error() -> None:
         torch.tensor([[3.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), clip=math.inf
     )
     assert loss.item() == 2.0 and stats["value_clip_fraction"].item() == 0.0
-
-
-@SETTINGS
-@given(logits=st.lists(st.floats(-20, 20, allow_subnormal=False), min_size=1, max_size=6))
-def test_entropy_matches_reference(logits: list[float]) -> None:
-    top = max(logits)
-    z = sum(math.exp(x - top) for x in logits)
-    p = [math.exp(x - top) / z for x in logits]
-    expected = -sum(pi * math.log(pi) for pi in p if pi > 0)
-    got = losses.entropy_from_logits(torch.tensor([[logits]], dtype=F64))
-    assert got.shape == (1, 1)
-    assert got.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)  # float32 inside, by design
-
-
-def test_entropy_edge_cases() -> None:
-    uniform = losses.entropy_from_logits(torch.zeros(2, 3, 8))
-    torch.testing.assert_close(uniform, torch.full((2, 3), math.log(8)))
-    masked_vocab = torch.tensor([[0.0, 0.0, torch.finfo(torch.float32).min]])
-    torch.testing.assert_close(losses.entropy_from_logits(masked_vocab), torch.tensor([math.log(2)]))
-    with pytest.raises(ValueError, match=r"logits contains -inf at index \(0, 2\)"):
-        losses.entropy_from_logits(torch.tensor([[0.0, 0.0, -math.inf]]))
-    with pytest.raises(ValueError, match="logits contains NaN"):
-        losses.entropy_from_logits(torch.tensor([[0.0, math.nan]]))

@@ -16,8 +16,9 @@ import torch
 from molt.core.errors import ConfigError
 from molt.learner.batch import StepBatch
 from molt.learner.config import LearnerSettings
+from molt.learner.models import resolve_backend
 from molt.learner.synthetic import step_batch
-from molt.learner.trainer import Trainer, resolve_backend
+from molt.learner.trainer import Trainer
 
 SettingsFactory = Callable[..., LearnerSettings]
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import torch
 
 from molt.algos.checks import deferred_checks
 from molt.learner.logprobs import next_token_logprobs, token_logprobs
+from molt.learner.models import load_policy
 from molt.learner.packing import pack, pad
-from molt.learner.trainer import load_policy
 
 F64 = torch.float64
 

@@ -8,8 +8,6 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import cast
 
 import pytest
 import redis
@@ -21,8 +19,9 @@ from molt.core.errors import WrongState
 from molt.core.queue import TrajectoryQueue
 from molt.learner.checkpoint import Checkpoints
 from molt.learner.config import LearnerSettings
-from molt.learner.loop import LearnerLoop, _Clock
+from molt.learner.loop import LearnerLoop
 from molt.learner.metrics import MetricsLog, read_history
+from molt.learner.progress import StatusClock
 from molt.learner.synthetic import named_group
 from molt.learner.trainer import Trainer
 
@@ -102,7 +101,7 @@ def test_control_requests_and_the_idle_warning(
     """An idle learner warns; SaveCheckpoint is deduplicated by request id; StopLearner ends run()."""
     settings = learner_settings(poll_s=0.05, idle_warning_s=0.2)
     loop = make_loop(settings, redis_client)
-    caplog.set_level(logging.WARNING, logger="molt.learner.loop")
+    caplog.set_level(logging.WARNING, logger="molt.learner.progress")
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
@@ -173,20 +172,6 @@ def test_groups_that_went_stale_are_dropped_and_acknowledged(
     assert producer.skipped() == 2  # two whole groups settled untrained: the agent-pool starts two more
 
 
-def test_many_samples_dropped_as_stale_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
-    """More than 5% of the samples since the last status line (or the loop's start, whose counts hold a
-    restarted run's history) dropped as stale is a warning that names the setting."""
-    clock = _Clock(0.0, stale=50, trained=100)
-    loop = cast(LearnerLoop, SimpleNamespace(drop_after=4))
-    with caplog.at_level(logging.WARNING, logger="molt.learner.loop"):
-        clock._warn_stale(loop, stale=52, trained=200)  # 2 of 102
-        clock._warn_stale(loop, stale=70, trained=250)  # 18 of 68
-    warnings = [r.getMessage() for r in caplog.records if "dropped as stale" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("18 samples were dropped as stale since the last")
-    assert "against 50 trained" in warnings[0] and "more than 4 versions" in warnings[0]
-    assert "drop_after_versions" in warnings[0]
-
-
 def test_a_refused_step_dead_letters_its_groups_and_leaves_no_gradient_behind(
     learner_settings: SettingsFactory, redis_client: redis.Redis
 ) -> None:
@@ -197,7 +182,7 @@ def test_a_refused_step_dead_letters_its_groups_and_leaves_no_gradient_behind(
     producer = TrajectoryQueue(redis_client, "molt")
     producer.put_many([named_group(f"g{i}", REWARDS) for i in range(4)])
     loop = make_loop(settings, redis_client)
-    clock = _Clock(0.0)
+    clock = StatusClock(0.0)
     loop._read(clock)
     assert len(loop.ready) >= 2
     loop.ready[0].samples[1].rollout_logprobs[-1] = float("nan")

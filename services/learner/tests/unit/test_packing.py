@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from molt.learner.logprobs import token_logprobs
+from molt.learner.models import load_policy
 from molt.learner.packing import micro_batches, pack, pad, padded_micro_batches, plan
-from molt.learner.trainer import load_policy
 
 LENGTHS = [50, 10, 40, 30, 30, 20, 5, 120]
 

@@ -197,15 +197,3 @@ def test_compiled_layers_take_the_eager_step(learner_settings: SettingsFactory) 
     assert m_compiled["loss/objective"] == pytest.approx(m_eager["loss/objective"], abs=1e-6)
     assert m_compiled["grad_norm"] == pytest.approx(m_eager["grad_norm"], rel=1e-5)
     assert m_compiled["entropy"] == pytest.approx(m_eager["entropy"], rel=1e-5)  # the compiled logprob head
-
-
-def test_model_context_applies_rope_scaling_as_vllm_does() -> None:
-    from types import SimpleNamespace
-
-    from molt.learner.trainer import model_context
-
-    assert model_context(SimpleNamespace(max_position_embeddings=2048)) == 2048
-    yarn = SimpleNamespace(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    assert model_context(yarn) == 131072
-    assert model_context(SimpleNamespace(max_position_embeddings=512, rope_scaling=None)) == 512
-    assert model_context(SimpleNamespace()) is None

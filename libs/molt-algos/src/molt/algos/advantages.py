@@ -1,22 +1,15 @@
 """Advantage estimators: rewards (and critic values, teacher logprobs) in, advantages out.
 
-Two families, by the shape of what they return:
-
 * **Group estimators** (``reinforce_baseline``, ``rloo``, ``grpo``, ``dr_grpo``) take one
-  entry per *segment* (``rewards``, ``group_ids``, ``rollout_ids``: ``[S]``) and return one
-  advantage per segment, ``[S]``. An episode split into several segments (context
-  compaction) counts **once**: segments are merged by ``rollout_id`` before the group
-  statistics, and every segment gets its episode's advantage. Broadcast to tokens with
-  ``advantages[:, None] * loss_mask``.
-* **Token estimators** (``reinforce``, ``gae``, ``on_policy_distill``) work on the padded
-  token axis ``[B, T]`` with a ``loss_mask`` (1 on tokens the policy sampled, 0 on
-  prompt, tool, environment and padding tokens) and return ``[B, T]``, 0 off the mask.
+  entry per *segment* (``rewards``, ``group_ids``, ``rollout_ids``: ``[S]``) and return
+  ``[S]``. An episode split into several segments (context compaction) counts **once**:
+  segments are merged by ``rollout_id`` before the group statistics, and every segment
+  gets its episode's advantage. Broadcast to tokens with ``advantages[:, None] * loss_mask``.
+* **Token estimators** (``reinforce``, ``gae``, ``on_policy_distill``) work on ``[B, T]``
+  with a ``loss_mask`` (1 on tokens the policy sampled) and return ``[B, T]``, 0 off it.
 
-Statistics are taken in float64 and the result is cast back to the input's dtype.
-Advantages are constants of the loss: every output is detached.
-
-Whitening (``whiten``) is a separate step over all loss tokens of the optimizer step.
-The original system whitens ``reinforce``, ``reinforce_baseline`` and ``gae`` only.
+Statistics in float64, cast back to the input's dtype; every output is detached. ``whiten`` is a
+separate step over the step's loss tokens (the original whitens ``reinforce``, ``reinforce_baseline``, ``gae``).
 """
 
 from __future__ import annotations

@@ -2,18 +2,12 @@
 
 Every mode is a weighted token sum, ``L = sum_i w_i * sum_t loss_it * mask_it``, whose row
 weights ``w_i`` depend only on the loss-mask lengths (and prompt ids) of the **whole
-optimizer step**: every micro-batch of every data-parallel rank. Because the weights are
-fixed before the step, the aggregate of each micro-batch is just its share of the sum,
-and summing the micro-batch losses (and gradients) gives exactly the full-batch value.
-There is no division by the number of accumulation steps.
-
-Data parallelism: the sum runs over *all* ranks, but DDP/FSDP average gradients over
-ranks. Multiply each rank's loss by the data-parallel world size (or reduce gradients
-with SUM) so the step's gradient is the gradient of the global mean; context-parallel
-ranks share a sample and must not be counted twice.
-
-The number to *report* is a plain ``masked_mean`` of the per-token loss, independent of
-how the step was split.
+optimizer step**, every micro-batch of every data-parallel rank: each micro-batch's
+aggregate is its share of the sum, and the micro-batch losses (and gradients) add up to the
+full-batch value with no division by the number of accumulation steps. DDP/FSDP average
+gradients over ranks: multiply each rank's loss by the data-parallel world size (or reduce
+with SUM); context-parallel ranks share a sample and must not count it twice. The number
+to *report* is a plain ``masked_mean`` of the per-token loss, however the step was split.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Input checks shared by every estimator and loss in ``molt.algos``.
 
-The original system silently replaced NaN with 0 and inf with +-30 inside the
-loss, which hid broken logprobs and rewards for whole runs. Here a bad input is
-a ``ValueError`` that names the argument and the first bad index, raised before
-any arithmetic. Checks cover padding too: callers pad with finite values (0).
-
-On a GPU each ``check_finite`` call costs one host sync (one ``.item()`` for all
-the tensors it is given), so the functions check once per call, not per tensor.
-Inside ``deferred_checks()`` the value checks (finiteness, 0/1 masks) record a
-device-side flag instead and are settled with one sync when the block ends,
-raising the same ``ValueError`` as an immediate check would: a training step
-wraps its forwards and backwards in it, so a bad value still stops the step
-before the optimizer, without a sync per micro-batch.
+The original system silently replaced NaN with 0 and inf with +-30 inside the loss,
+which hid broken logprobs and rewards for whole runs. Here a bad input is a
+``ValueError`` naming the argument and the first bad index, raised before any
+arithmetic; padding is checked too (callers pad with finite values). On a GPU each
+``check_finite`` call costs one host sync for all the tensors it is given. Inside
+``deferred_checks()`` the value checks (finiteness, 0/1 masks) record a device-side flag
+instead, settled with one sync when the block ends and raising the same ``ValueError``:
+a training step wraps its forwards and backwards in it, so a bad value still stops the
+step before the optimizer, without a sync per micro-batch.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Importance-sampling correction for the mismatch between the rollout engine and the trainer.
 
-The engine (vLLM) and the trainer compute slightly different logprobs for the same
-weights and tokens (kernels, precision, MoE routing, prefix caching). The per-token ratio
-``rho_t = exp(old_logprobs_t - rollout_logprobs_t)`` measures it, where ``old_logprobs``
-are the trainer's logprobs of the sampling policy (computed before the update, not the
-ones being trained). ``is_weights`` turns the ratios into detached per-token weights
-that multiply the per-token policy loss before aggregation.
-
-Levels decide the *unit* that is tested against the band ``[low, high]``:
-
-* ``off``: weight 1 on every loss token.
-* ``token``: the unit is ``rho_t`` itself.
-* ``seq``: ``exp(sum_{t in mask} log rho_t)``, the product of the token ratios.
-* ``geo``: ``exp(mean_{t in mask} log rho_t)``, their geometric mean.
-
-Modes decide what happens to a unit outside the band: ``mask`` zeroes it (rejection),
-``clip`` clamps it to ``[low, high]``, ``trunc`` clamps it to at most ``high`` (TIS).
-``seq`` and ``geo`` are rejection filters only: a kept sequence keeps its per-token
-``rho_t``. Named schemes: token+trunc = TIS, token+mask = IcePop, geo+mask =
-seq-mask-tis, seq+mask = product-ratio rejection.
+The engine (vLLM) and the trainer compute slightly different logprobs for the same weights
+and tokens (kernels, precision, MoE routing, prefix caching); the per-token ratio
+``rho_t = exp(old_logprobs_t - rollout_logprobs_t)`` measures it (``old_logprobs``: the
+trainer's logprobs of the sampling policy). ``is_weights`` turns the ratios into detached
+per-token weights that multiply the policy loss. The level is the unit tested against
+``[low, high]``: ``off`` (weight 1), ``token`` (``rho_t``), ``seq`` (their product over the
+mask), ``geo`` (their geometric mean); the mode, what happens outside: ``mask`` zeroes it,
+``clip`` clamps it, ``trunc`` caps it at ``high``. ``seq`` and ``geo`` only reject. Schemes:
+token+trunc = TIS, token+mask = IcePop, geo+mask = seq-mask-tis, seq+mask = product-ratio rejection.
 """
 
 from __future__ import annotations

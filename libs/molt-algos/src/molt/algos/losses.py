@@ -2,15 +2,12 @@
 
 Every loss takes ``[B, T]`` tensors aligned token for token with a ``loss_mask`` and returns
 ``(loss [B, T], stats)``: the loss is 0 off the mask and still has to be aggregated
-(``molt.algos.aggregation``). Importance-sampling weights for the rollout/trainer
-mismatch (``molt.algos.importance``) multiply the per-token loss before aggregation.
-
-``logprobs`` are the current policy's (they carry the gradient); ``old_logprobs`` and
-``advantages`` are constants and are detached here. The log-ratio is clamped to +-30
-before ``exp`` so a finite but wild input cannot overflow; NaN/inf inputs are rejected.
-
-``stats`` are detached 0-d tensors, token means over this call's loss tokens: combine
-them across micro-batches weighted by ``loss_mask.sum()``.
+(``molt.algos.aggregation``); importance-sampling weights (``molt.algos.importance``) multiply
+it before that. ``logprobs`` are the current policy's (they carry the gradient);
+``old_logprobs`` and ``advantages`` are constants, detached here. The log-ratio is clamped to
++-30 before ``exp`` so a finite but wild input cannot overflow; NaN/inf inputs are rejected.
+``stats`` are detached 0-d tensors, token means over this call's loss tokens: combine them
+across micro-batches weighted by ``loss_mask.sum()``.
 """
 
 from __future__ import annotations
@@ -176,24 +173,6 @@ def value_loss(
         "value_error": masked_mean(unclipped.detach(), m),
     }
     return torch.maximum(unclipped, clipped) * m, stats
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution per position: ``H = -sum_v p_v log p_v``. ``[..., V] -> [...]``.
-
-    Pass the same temperature-scaled logits the logprobs came from. Computed from
-    ``log_softmax`` in float32 (no ``log(softmax)``, which underflows to -inf); autograd
-    keeps two float32 ``[..., V]`` tensors, so call it per micro-batch, or under
-    ``torch.no_grad()`` when the entropy is only logged. The bonus is ``loss -= coef * H``,
-    aggregated like the policy loss. Non-finite logits raise (mask vocabulary entries
-    with ``torch.finfo(dtype).min``, not -inf).
-    """
-    check_float(logits=logits)
-    entropy = entropy_from_logprobs(torch.log_softmax(logits.float(), dim=-1))
-    if not bool(torch.isfinite(entropy.detach()).all().item()):
-        check_finite(logits=logits)  # only on failure: a full scan over the vocabulary is costly
-        raise ValueError("logits gave a non-finite entropy")
-    return entropy
 
 
 def entropy_from_logprobs(logprobs: Tensor) -> Tensor:

@@ -1,21 +1,14 @@
-"""The trajectory queue: ``TrajectoryGroup`` protobuf bytes on a Redis stream.
+"""The trajectory queue: ``TrajectoryGroup`` protobuf bytes on a Redis stream (docs/queue.md).
 
-Key schema (see docs/queue.md; any producer in any language can follow it):
-
-- ``molt:<run>:trajectories`` - stream; one entry per group, field ``group`` =
-  serialized ``molt.v1.TrajectoryGroup``. Consumer group ``learner``.
-- ``molt:<run>:trajectory-ids`` - set of every trajectory id ever queued (dedupe).
-- ``molt:<run>:trajectories:dead`` - dead letters: fields ``reason``,
-  ``entry_id``, ``bytes`` (the payload's size) and the original ``group``
-  bytes (their first ``DEAD_PAYLOAD_BYTES``); about the newest
-  ``DEAD_LETTERS_KEPT`` are kept.
-- ``molt:<run>:groups-skipped`` - set of the entry ids the consumer settled without
-  training on them (dead-lettered, or every sample stale or a duplicate): a
-  producer that paces itself on the policy version starts that many more.
-
-Entries are acknowledged and deleted together (XACK + XDEL) only when the
-consumer says so (the learner: after the step that used them is committed),
-so the stream length is exactly the work not yet done and bounds the queue.
+Keys of run ``<run>`` (``QueueKeys``): ``molt:<run>:trajectories``, the stream
+(field ``group``, consumer group ``learner``); ``molt:<run>:trajectory-ids``, every
+trajectory id ever queued (dedupe); ``molt:<run>:trajectories:dead``, the dead
+letters (reason, entry id, size, the payload's first ``DEAD_PAYLOAD_BYTES``; about
+the newest ``DEAD_LETTERS_KEPT``); ``molt:<run>:groups-skipped``, the entries settled
+without training, which a producer pacing itself on the policy version starts again.
+Entries are acknowledged and deleted together (XACK + XDEL) once the consumer's use
+is committed, so the stream length is the work not yet done and bounds the queue.
+How ``put`` writes atomically: ``queue_writes.py``.
 """
 
 from __future__ import annotations
@@ -29,34 +22,18 @@ from typing import Any
 import redis
 from google.protobuf.message import DecodeError
 from redis.client import Pipeline
-from redis.connection import Connection
 
 from molt.core.errors import Backpressure, InvalidInput
+from molt.core.queue_writes import PAYLOAD_FIELD, PUT_SCRIPT, put_transaction, with_trajectories
 from molt.core.trajectory import group_problems
 from molt.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "learner"
-PAYLOAD_FIELD = b"group"
 MAX_ENTRY_BYTES = 64 << 20  # default bound on one serialized group
 DEAD_LETTERS_KEPT = 10_000  # about this many newest dead letters are kept (XADD MAXLEN ~)
 DEAD_PAYLOAD_BYTES = 1 << 20  # a dead letter keeps at most this much of its payload
-
-# Atomically: refuse when the stream is at its bound; report already-seen ids
-# without writing; otherwise remember the ids and append the entry.
-# KEYS: stream, seen-set. ARGV: max_length, payload, trajectory ids...
-_PUT_SCRIPT = """
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return {'full'} end
-local ids = {}
-for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
-local seen = redis.call('SMISMEMBER', KEYS[2], unpack(ids))
-local dups = {}
-for i = 1, #seen do if seen[i] == 1 then dups[#dups + 1] = ids[i] end end
-if #dups > 0 then return {'dup', unpack(dups)} end
-redis.call('SADD', KEYS[2], unpack(ids))
-return {'ok', redis.call('XADD', KEYS[1], '*', 'group', ARGV[2])}
-"""
 
 
 @dataclass(frozen=True)
@@ -137,7 +114,7 @@ class TrajectoryQueue:
         self.max_entry_bytes = max_entry_bytes
         self.consumer = consumer
         self.reclaim_after_s = reclaim_after_s
-        self._put = client.register_script(_PUT_SCRIPT)
+        self._put = client.register_script(PUT_SCRIPT)
         self._held: set[str] = set()  # delivered to this instance, not yet acknowledged
         self._own_pending_read = False
         self._next_reclaim = 0.0  # monotonic time of the next XAUTOCLAIM check
@@ -182,7 +159,9 @@ class TrajectoryQueue:
                     f"{self.max_entry_bytes}",
                     reason="GROUP_TOO_LARGE",
                 )
-        entry_ids = self._put_transaction(groups, payloads)
+        entry_ids = put_transaction(
+            self.client, self.keys.stream, self.keys.seen_ids, self.max_length, groups, payloads
+        )
         if entry_ids is not None:
             return [PutResult(entry_id, ()) for entry_id in entry_ids]
         with self.client.pipeline(transaction=False) as pipe:
@@ -194,55 +173,6 @@ class TrajectoryQueue:
             done = self._settle(reply, ())
             results.append(done if done is not None else self._put_one(group, deadline))
         return results
-
-    def _put_transaction(self, groups: Sequence[common_pb2.TrajectoryGroup], payloads: list[bytes]) -> list[str] | None:
-        """The common case without Lua, in two round trips on one connection: WATCH the stream and the
-        id set, XLEN and SMISMEMBER; then, when every group fits and no id was seen, SADD + XADD them all
-        in one MULTI/EXEC (a concurrent writer makes EXEC fail and the check run again). Returns the
-        entry ids, or None when some group is a duplicate, the queue lacks room, or writers keep
-        colliding: the put script handles those. (Passing the payload through a Lua script copies it
-        twice more: ~2x the put time at 100 KB; redis-py's own WATCH pipeline takes four round trips.)"""
-        ids = [t.trajectory_id for group in groups for t in group.trajectories]
-        if len(set(ids)) != len(ids):  # an id twice in this batch: the script path keeps the first only
-            return None
-        pool = self.client.connection_pool
-        for _ in range(3):
-            connection = pool.get_connection()
-            try:
-                replies = self._watched_put(connection, ids, len(groups), payloads)
-            except BaseException:
-                connection.disconnect()  # replies may be left unread: the connection must not be reused
-                raise
-            finally:
-                pool.release(connection)
-            if replies is False:
-                return None
-            if replies is not None:  # None: a watched key changed before EXEC
-                failed = [reply for reply in replies if isinstance(reply, Exception)]
-                if failed:
-                    raise failed[0]
-                return [entry.decode() if isinstance(entry, bytes) else str(entry) for entry in replies[1:]]
-        return None
-
-    def _watched_put(self, connection: Connection, ids: list[str], count: int, payloads: list[bytes]) -> Any:
-        """One optimistic attempt: False when the check fails, else EXEC's reply (None if it aborted)."""
-        stream, seen_ids = self.keys.stream, self.keys.seen_ids
-        connection.send_packed_command(
-            connection.pack_commands([("WATCH", stream, seen_ids), ("XLEN", stream), ("SMISMEMBER", seen_ids, *ids)])
-        )
-        connection.read_response()
-        length = int(connection.read_response())
-        seen = connection.read_response()
-        if length + count > self.max_length or any(seen):
-            connection.send_command("UNWATCH")
-            connection.read_response()
-            return False
-        commands: list[tuple[Any, ...]] = [("MULTI",), ("SADD", seen_ids, *ids)]
-        commands += [("XADD", stream, "*", PAYLOAD_FIELD, payload) for payload in payloads]
-        connection.send_packed_command(connection.pack_commands([*commands, ("EXEC",)]))
-        for _ in commands:  # +OK for MULTI, +QUEUED for each command
-            connection.read_response()
-        return connection.read_response()
 
     def _put_script(
         self, group: common_pb2.TrajectoryGroup, client: redis.Redis | Pipeline, payload: bytes | None = None
@@ -275,7 +205,7 @@ class TrajectoryQueue:
                 kept = [t for t in group.trajectories if t.trajectory_id not in seen]
                 if not kept:
                     return PutResult(None, duplicates)
-                group = _with_trajectories(group, kept)
+                group = with_trajectories(group, kept)
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 raise Backpressure(
@@ -415,13 +345,3 @@ class TrajectoryQueue:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _with_trajectories(
-    group: common_pb2.TrajectoryGroup, trajectories: Sequence[common_pb2.Trajectory]
-) -> common_pb2.TrajectoryGroup:
-    trimmed = common_pb2.TrajectoryGroup()
-    trimmed.CopyFrom(group)
-    del trimmed.trajectories[:]
-    trimmed.trajectories.extend(trajectories)
-    return trimmed

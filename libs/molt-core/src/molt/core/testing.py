@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import redis
 
-from molt.core.processes import RedisServer, ServiceProcess, free_port, start_ray_head
+from molt.core.ports import free_port
+from molt.core.processes import RedisServer, ServiceProcess, start_ray_head
 from molt.core.rollout import RolloutSettings
 from molt.core.tiny_model import build
 

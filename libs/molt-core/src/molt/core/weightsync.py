@@ -1,23 +1,14 @@
 """Moving weights between processes: the manifest, checksums, buckets and the weight group.
 
-Shared by the learner (the sender, rank 0), the engine workers (receivers,
-through the router's worker extension) and the benchmarks. The control plane
-(who joins, when to send) is the weight-broadcaster's gRPC service; this module
-is only the data plane.
-
-- A **manifest** lists every tensor of a refit in broadcast order: name (the
-  HF checkpoint name, which vLLM's ``load_weights`` maps onto its fused
-  parameters), dtype, shape and checksum. Each tensor keeps its own dtype.
-- A **checksum** is position-sensitive and computed with integer arithmetic on
-  the tensor's own device (``tensor_checksum``), so sender and receiver agree
-  bit for bit whatever the device, and a GPU tensor is never copied to the host
-  just to be hashed.
-- **Buckets** pack consecutive tensors into one flat byte buffer of at most
-  ``bucket_bytes`` (a larger tensor travels alone); one broadcast per bucket.
-- The **weight group** is a standalone torch.distributed process group (gloo
-  on CPU, NCCL on GPU) built on a TCPStore that the broadcaster hosts. It is not
-  the default group, so it coexists with the learner's FSDP group and vLLM's
-  own groups in the same processes.
+The data plane of a refit, shared by the learner (the sender, rank 0), the engine
+workers (receivers, through the router's worker extension) and the benchmarks; the
+control plane is the weight-broadcaster's gRPC service. A **manifest** lists every
+tensor of a refit in broadcast order (``TensorMeta``: HF checkpoint name, dtype,
+shape, checksum). A **checksum** (``tensor_checksum``) is position-sensitive integer
+arithmetic on the tensor's own device. **Buckets** pack consecutive tensors into one
+flat buffer of at most ``bucket_bytes``, one broadcast each. The **weight group** is
+a standalone process group (gloo on CPU, NCCL on GPU) on the broadcaster's TCPStore,
+so it coexists with the learner's FSDP group and vLLM's own groups.
 """
 
 from __future__ import annotations
@@ -81,8 +72,8 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
     Integer sums wrap identically on every device and in any reduction order,
     so the sender's and the receiver's values are equal exactly when the bytes
     (in order) are. Dtype and shape are compared separately, in the manifest.
-    Reading 8-byte words whatever the dtype needs no widening copy: on CPU one
-    int64 dot product per chunk runs at several GB/s on one core.
+    Reading 8-byte words whatever the dtype needs no widening copy: on CPU the
+    whole hash is one int64 dot product per chunk.
     """
     words = _int64_words(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
     if words.numel() == 0:
@@ -290,7 +281,7 @@ class WeightGroup:
 
     def _pack_buffer(self, index: int, size: int) -> torch.Tensor | None:
         """On CPU, one of two send buffers kept between refits: packing into fresh host pages costs
-        ~6x a copy into touched ones (page faults). On GPU the caching allocator already reuses
+        far more than a copy into touched ones (page faults). On GPU the caching allocator already reuses
         memory, and keeping buckets would hold learner GPU memory between refits: None there."""
         if self.device.type != "cpu":
             return None

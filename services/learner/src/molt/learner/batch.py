@@ -1,17 +1,10 @@
 """From queue payloads to training samples: ``TrajectoryGroup`` protobufs in, ``Sample`` tensors out.
 
-``build_group`` turns one group into samples the moment it is read, and drops,
-counted by reason (``DropReason``), what must not be trained on: groups with a
-token id outside the model's vocabulary (checked once per group, vectorised) or
-a logprob that is not finite,
-samples older than ``max_staleness`` policy versions or sampled by a version
-newer than the learner's (no policy of this run made them), samples longer than
-the learner trains, trajectory ids already trained on, samples without a single
-policy token. Each queue entry is its own group and its own set of episodes, so
-two entries that reuse a ``group_id`` or a ``rollout_id`` are never merged. ``assemble`` then gives the
-samples of one optimizer step the integer group and rollout ids the estimators
-in ``molt.algos.advantages`` take, and ``padded`` lays per-token arrays on a
-``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights).
+``build_group`` turns one group into samples the moment it is read and drops,
+counted by reason (``DropReason``), what must not be trained on; ``assemble``
+gives the samples of one optimizer step the integer group and rollout ids the
+estimators in ``molt.algos.advantages`` take; ``padded`` lays per-token arrays on
+an ``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights).
 
 Token arrays use the *next-token* axis: entry ``k`` of ``loss_mask``,
 ``rollout_logprobs`` and ``policy_versions`` describes ``input_ids[k + 1]``, the
@@ -108,6 +101,26 @@ def _invalid_token(group: common_pb2.TrajectoryGroup, vocab_size: int) -> str | 
     return f"token id {int(ids[bad[0, 0]])} is outside the vocabulary [0, {vocab_size})"
 
 
+def _whole_group_problem(
+    group: common_pb2.TrajectoryGroup, vocab_size: int, needs_groups: bool
+) -> tuple[str, str, dict[str, object]] | None:
+    """(reason, log message, log fields) of what drops ``group`` whole, in precedence order, or None."""
+    problem = _invalid_token(group, vocab_size)
+    if problem is not None:
+        return "invalid_token", "dropping a group with an invalid token", {"problem": problem}
+    bad = next((t for t in group.trajectories if not all(map(math.isfinite, t.rollout_logprobs))), None)
+    if bad is not None:
+        return (
+            "invalid_logprob",
+            "dropping a group with a logprob that is not finite",
+            {"trajectoryId": bad.trajectory_id},
+        )
+    if needs_groups and group.sample_count < 2:
+        message = "dropping a group produced with sample_count < 2: the estimator compares samples of one prompt"
+        return "group_of_one", message, {"sampleCount": group.sample_count, "trajectories": len(group.trajectories)}
+    return None
+
+
 def build_group(
     group: common_pb2.TrajectoryGroup,
     *,
@@ -131,29 +144,14 @@ def build_group(
     ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
     ``key``: the group's identity in the step (the queue entry id; default its ``group_id``).
     ``max_length``: the most prompt + response tokens of a sample trained on (longer: "too_long").
+    Entries that reuse a ``group_id`` or ``rollout_id`` are never merged.
     """
+    whole = _whole_group_problem(group, vocab_size, needs_groups)
+    if whole is not None:
+        reason, message, extra = whole
+        log.warning(message, extra={"groupId": group.group_id, **extra})
+        return GroupOutcome([], Counter({reason: len(group.trajectories)}))
     dropped: Counter[str] = Counter()
-    count = len(group.trajectories)
-    problem = _invalid_token(group, vocab_size)
-    if problem is not None:
-        log.warning("dropping a group with an invalid token", extra={"groupId": group.group_id, "problem": problem})
-        dropped["invalid_token"] += count
-        return GroupOutcome([], dropped)
-    bad = next((t for t in group.trajectories if not all(map(math.isfinite, t.rollout_logprobs))), None)
-    if bad is not None:  # a producer's bug, like an invalid token: the whole group, whatever else it has
-        log.warning(
-            "dropping a group with a logprob that is not finite",
-            extra={"groupId": group.group_id, "trajectoryId": bad.trajectory_id},
-        )
-        dropped["invalid_logprob"] += count
-        return GroupOutcome([], dropped)
-    if needs_groups and group.sample_count < 2:
-        log.warning(
-            "dropping a group produced with sample_count < 2: the estimator compares samples of one prompt",
-            extra={"groupId": group.group_id, "sampleCount": group.sample_count, "trajectories": count},
-        )
-        dropped["group_of_one"] += count
-        return GroupOutcome([], dropped)
     samples: list[Sample] = []
     for trajectory in group.trajectories:
         if trajectory.trajectory_id in consumed:

@@ -1,22 +1,14 @@
-"""Checkpoints: everything needed to continue a run exactly, written so that a crash never leaves a
-half checkpoint that could be loaded.
+"""Checkpoints: everything needed to continue a run exactly, and never half a checkpoint that loads.
 
 Layout under ``<run_dir>/checkpoints``: ``step-00000010/`` holding ``model.pt`` and
 ``optimizer.pt`` (full, unsharded state dicts), ``extra_state.pt`` (scheduler and RNG
 states; with ``gae`` also the critic, its optimizer and scheduler) and ``state.json``
 (step, policy version, consumed trajectory ids with the step that trained each, drop
-counts), plus ``latest``, a text file naming the newest directory.
-
-Write order: every file into ``.tmp-step-.../``, each fsynced, then the directory
-renamed to its final name (atomic), the parent fsynced, then ``latest`` replaced
-the same way, then older checkpoints pruned (each renamed to ``.tmp-...`` before it
-is deleted). A directory with its final name is therefore complete, and one that
-is not was damaged after the fact: the learner then refuses to start (naming what
-is missing) rather than resume from an older checkpoint, or from scratch, and
-silently leave out the trajectories the lost steps trained on (their queue entries
-are acknowledged). A checkpoint whose files do not load, or whose ``state.json``
-does not hold what it should, is refused the same way, before anything is loaded
-into the trainer.
+counts), plus ``latest``, a text file naming the newest directory. A directory with
+its final name is complete (``save`` says how); one that is not was damaged after the
+fact, and the learner then refuses to start rather than resume from an older one and
+silently leave out the trajectories the lost steps trained on (their queue entries are
+acknowledged).
 """
 
 from __future__ import annotations
@@ -157,7 +149,7 @@ class Checkpoints:
 
     def newest(self) -> Path | None:
         """The newest checkpoint, which must be complete: a damaged one (files missing) is refused with
-        CheckpointError rather than passed over for an older one (see the module docstring). Older
+        CheckpointError rather than passed over for an older one (the module docstring says why). Older
         damaged ones are passed over with a warning. ``latest`` is written last, so a checkpoint renamed
         into place just before a crash is newer than ``latest``; it is complete and preferred."""
         directories = self._directories()
@@ -190,7 +182,11 @@ class Checkpoints:
         return newest
 
     def save(self, trainer: Trainer, state: RunState) -> Path:
-        """Writes the checkpoint of ``state.step`` (collective); returns its directory."""
+        """Writes the checkpoint of ``state.step`` (collective); returns its directory.
+
+        Every file goes into ``.tmp-step-.../``, each fsynced, then the directory is renamed to its
+        final name (atomic) and the parent fsynced, then ``latest`` is replaced the same way, then
+        older checkpoints are pruned (each renamed to ``.tmp-...`` before it is deleted)."""
         model_state = get_model_state_dict(trainer.model, options=FULL)
         optimizer_state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FULL)
         final = self.root / f"{PREFIX}{state.step:08d}"

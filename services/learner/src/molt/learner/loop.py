@@ -1,26 +1,14 @@
 """The learner loop: queue -> samples -> optimizer step -> hook -> checkpoint -> acknowledgement.
 
-Rank 0 is the only queue consumer (``learner-0``): it reads groups, turns them
-into samples at once (``batch.build_group``: invalid, stale, duplicate and empty
-samples are dropped and counted), and once ``groups_per_step`` groups are ready
-it trains on them. With several data-parallel ranks it broadcasts each step's
-global batch (and each checkpoint and the stop) to the followers, which run
-``follow``; every rank then trains its share of the same batch.
-
-A queue entry is acknowledged only after the step that used it (or the read
-that dropped it) is in a complete checkpoint, so with ``checkpoint_every = N``
-up to N steps of entries stay pending. After a crash the restarted learner
-re-reads its pending entries; those trained in a committed step are dropped as
-duplicates (the consumed ids are part of the checkpoint), the others are
-trained again on the restored weights.
-
-After every step ``on_step(step, model)`` runs on rank 0: the seam for the
-weight-broadcaster. With the ``WeightPublisher`` as the hook, the loop starts
-with a refit of the weights as they are (restored from a checkpoint or
-initial): the engines may hold other ones (a restarted learner behind them), or
-be paused by a refit its predecessor left failed. Its version is the learner's
-(``step + version_offset``) if newer than the engines', else the one after
-theirs, and the learner numbers on from there (the offset is checkpointed).
+Rank 0 is the only queue consumer (``learner-0``): it turns groups into samples
+as it reads them (``batch.build_group`` drops and counts bad ones) and trains on
+``groups_per_step`` groups at a time, broadcasting each step, checkpoint and the
+stop to the followers (``follow``). An entry is acknowledged only once the step
+that used it is in a complete checkpoint, so a restarted learner re-reads what
+was not (docs/queue.md). After every step ``on_step(step, model)`` runs on rank
+0; with the ``WeightPublisher`` as that hook the loop first refits the weights
+it starts with (``_publish_first``). Control requests: ``control.py``; the
+status line and warnings: ``progress.py``.
 """
 
 from __future__ import annotations
@@ -32,20 +20,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from molt.core.errors import Unavailable, WrongState
+from molt.core.errors import WrongState
 from molt.core.queue import QueueEntry, TrajectoryQueue
 from molt.learner import metrics as prom
 from molt.learner.batch import Sample, assemble, build_group
 from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import GROUP_ESTIMATORS, LearnerSettings
+from molt.learner.control import CheckpointInfo, ControlRequests, LearnerStatus
 from molt.learner.metrics import MetricsLog
+from molt.learner.progress import StatusClock
 from molt.learner.ranks import SINGLE, RankInfo
 from molt.learner.refit import WeightPublisher, gather_for_refit
 from molt.learner.trainer import StepRefused, Trainer
@@ -66,35 +55,6 @@ class ReadyGroup:
     @property
     def entry_id(self) -> str:
         return self.entry.entry_id
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    path: Path
-
-
-@dataclass
-class LearnerStatus:
-    """A snapshot for GetLearnerStatus (copied under the loop's lock)."""
-
-    step: int
-    policy_version: int
-    consumed_count: int
-    dropped: dict[str, int]
-    last_metrics: dict[str, float]
-    last_checkpoint_step: int
-    last_step_time: float | None
-
-
-@dataclass
-class _Requests:
-    """Control requests from the gRPC thread, served by the loop between steps."""
-
-    checkpoints: dict[str, Future[CheckpointInfo]] = field(default_factory=dict)
-    waiting: list[Future[CheckpointInfo]] = field(default_factory=list)
-    stop: Future[int] | None = None
-    stop_with_checkpoint: bool = True
 
 
 class LearnerLoop:
@@ -131,10 +91,9 @@ class LearnerLoop:
         self.last_checkpoint_step = -1
         self.last_step_time: float | None = None
         self._lock = threading.Lock()
-        self._requests = _Requests()
+        self._requests = ControlRequests(self._lock)
         self._pending_reread = True
         self.refused_in_a_row = 0  # steps the trainer refused since the last one it took
-        self._finished = False  # set under the lock once run() can no longer serve requests
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -151,24 +110,11 @@ class LearnerLoop:
 
     def request_checkpoint(self, request_id: str) -> Future[CheckpointInfo]:
         """A checkpoint after the current step; a repeated ``request_id`` gets the same result."""
-        with self._lock:
-            if request_id and request_id in self._requests.checkpoints:
-                return self._requests.checkpoints[request_id]
-            if self._finished:
-                raise WrongState("the learner has stopped; it writes no more checkpoints", reason="LEARNER_STOPPED")
-            future: Future[CheckpointInfo] = Future()
-            if request_id:
-                self._requests.checkpoints[request_id] = future
-            self._requests.waiting.append(future)
-            return future
+        return self._requests.checkpoint(request_id)
 
     def request_stop(self, save_checkpoint: bool = True) -> Future[int]:
         """Stops after the current step (checkpointing first when asked); resolves to the last committed step."""
-        with self._lock:
-            if self._requests.stop is None:
-                self._requests.stop = Future()
-                self._requests.stop_with_checkpoint = save_checkpoint
-            return self._requests.stop
+        return self._requests.stop_after_step(save_checkpoint)
 
     def status(self) -> LearnerStatus:
         with self._lock:
@@ -189,7 +135,7 @@ class LearnerLoop:
         if self.queue is None:
             raise ValueError("rank 0 needs the trajectory queue")
         start = self.status()
-        clock = _Clock(time.monotonic(), start.dropped.get("stale", 0), start.consumed_count)
+        clock = StatusClock(time.monotonic(), start.dropped.get("stale", 0), start.consumed_count)
         try:
             publishes = isinstance(self.on_step, WeightPublisher) and self.settings.refit_every > 0
             if publishes and not self._should_stop():
@@ -205,7 +151,7 @@ class LearnerLoop:
                 clock.maybe_report(self)
             self._finish()
         except BaseException as exc:
-            self._fail_requests(exc)
+            self._requests.fail(exc)
             raise
         return self.last_checkpoint_step
 
@@ -214,7 +160,7 @@ class LearnerLoop:
         with self._lock:
             return self._requests.stop is not None or bool(max_steps and self.state.step >= max_steps)
 
-    def _read(self, clock: _Clock) -> None:
+    def _read(self, clock: StatusClock) -> None:
         assert self.queue is not None
         need = self.settings.rollout.groups_per_step - len(self.ready)
         if self._pending_reread:
@@ -334,7 +280,10 @@ class LearnerLoop:
             )
 
     def _publish_first(self) -> None:
-        """The first refit after the start, before the first read (see the module docstring)."""
+        """The first refit after the start, before the first read: the engines may hold other weights (a
+        restarted learner behind them) or be paused by a refit its predecessor left failed. Its version is
+        the learner's (``step + version_offset``) if newer than the engines', else the one after theirs,
+        and the learner numbers on from there (the offset is checkpointed)."""
         assert isinstance(self.on_step, WeightPublisher)
         self._broadcast(("refit", self.on_step.next_probe()))
         version = self.on_step.publish_first(self.state.step, self.trainer.policy_version, self.trainer.model)
@@ -354,7 +303,9 @@ class LearnerLoop:
 
     def _checkpoint(self) -> CheckpointInfo:
         """Writes a checkpoint of the current step (unless there is one), then acknowledges the settled
-        entries: only now is their use durable."""
+        entries: only now is their use durable. So with ``checkpoint_every = N`` up to N steps of entries
+        stay pending; after a crash those of a committed step are dropped as duplicates (the consumed ids
+        are checkpointed), the others trained again on the restored weights."""
         assert self.queue is not None
         newest = self.checkpoints.newest()
         if self.last_checkpoint_step == self.state.step and newest is not None:
@@ -372,18 +323,14 @@ class LearnerLoop:
         return CheckpointInfo(self.state.step, path)
 
     def _serve_checkpoint_requests(self) -> None:
-        with self._lock:
-            waiting, self._requests.waiting = self._requests.waiting, []
+        waiting = self._requests.take_waiting()
         if waiting:
             info = self._checkpoint()
             for future in waiting:
                 future.set_result(info)
 
     def _finish(self) -> None:
-        with self._lock:
-            self._finished = True
-            stop = self._requests.stop
-            save = stop is None or self._requests.stop_with_checkpoint
+        stop, save = self._requests.finish()
         if isinstance(self.on_step, WeightPublisher):
             self.on_step.wait()  # the last step's refit: published, or its failure raised here
         if save:
@@ -395,14 +342,6 @@ class LearnerLoop:
         log.info("learner stopped", extra={"step": self.state.step, "lastCheckpointStep": self.last_checkpoint_step})
         if stop is not None:
             stop.set_result(self.last_checkpoint_step)
-
-    def _fail_requests(self, exc: BaseException) -> None:
-        with self._lock:
-            self._finished = True
-            futures = [*self._requests.waiting, *([self._requests.stop] if self._requests.stop else [])]
-        for future in futures:
-            if not future.done():
-                future.set_exception(Unavailable(f"the learner loop failed: {exc!r}", reason="LEARNER_FAILED"))
 
     def _broadcast(self, command: tuple[str, Any]) -> None:
         if self.rank.distributed:
@@ -427,64 +366,3 @@ class LearnerLoop:
                 self.trainer.version_offset = payload
             else:
                 return
-
-
-STALE_WARNING_SHARE = 0.05  # of the samples between two status lines
-
-
-class _Clock:
-    """When trajectories last arrived, and when the status line and the idle warning are due."""
-
-    def __init__(self, now: float, stale: int = 0, trained: int = 0) -> None:
-        self.last_arrival = now
-        self.last_report = now
-        self.last_idle_warning = now
-        self.stale_seen = stale  # samples dropped as stale / trained so far, at the last status line (or the
-        self.trained_seen = trained  # loop's start: after a restart they hold the run's history)
-
-    def arrived(self) -> None:
-        self.last_arrival = time.monotonic()
-
-    def maybe_report(self, loop: LearnerLoop) -> None:
-        now = time.monotonic()
-        idle = now - self.last_arrival
-        prom.IDLE_SECONDS.set(idle)
-        settings = loop.settings
-        if idle >= settings.idle_warning_s and now - self.last_idle_warning >= settings.idle_warning_s:
-            self.last_idle_warning = now
-            stats = loop.queue.stats() if loop.queue is not None else None
-            log.warning(
-                "no trajectories for %.0f s: is the agent-pool running and producing to run %r?",
-                idle,
-                settings.run.run_id,
-                extra={"idleSeconds": round(idle, 1), "queue": stats.__dict__ if stats else None},
-            )
-        if now - self.last_report >= settings.status_every_s:
-            self.last_report = now
-            status = loop.status()
-            log.info(
-                "step %d, version %d, %d trained, %d groups ready, reward %.3f",
-                status.step,
-                status.policy_version,
-                status.consumed_count,
-                len(loop.ready),
-                status.last_metrics.get("reward/mean", float("nan")),
-                extra={"dropped": status.dropped, "lastCheckpointStep": status.last_checkpoint_step},
-            )
-            self._warn_stale(loop, status.dropped.get("stale", 0), status.consumed_count)
-
-    def _warn_stale(self, loop: LearnerLoop, stale: int, trained: int) -> None:
-        """Warns when more than STALE_WARNING_SHARE of the samples trained or dropped as stale since the last
-        status line were dropped: on a long-tailed workload those are the long responses (docs/queue.md)."""
-        new_stale, new_trained = stale - self.stale_seen, trained - self.trained_seen
-        self.stale_seen, self.trained_seen = stale, trained
-        if new_stale > STALE_WARNING_SHARE * (new_stale + new_trained):
-            log.warning(
-                "%d samples were dropped as stale since the last status line, against %d trained (oldest loss "
-                "token more than %d versions behind): long responses are cut out of training; a larger "
-                "[learner] drop_after_versions keeps them",
-                new_stale,
-                new_trained,
-                loop.drop_after,
-                extra={"stale": new_stale, "trained": new_trained},
-            )

@@ -1,7 +1,7 @@
 """Where the learner's numbers go: ``<run_dir>/metrics.jsonl`` (one line per step), Prometheus
 gauges ``molt_learner_*``, TensorBoard events under ``<run_dir>/tensorboard`` and the reward curve
 ``<run_dir>/reward.png``, redrawn every ``plot_every`` steps in a background thread (a drawing
-takes ~80 ms of CPU, which on the training loop's path delayed every ``plot_every``-th refit).
+costs enough CPU that on the training loop's path it delayed the refit of its step).
 
 After a restart the JSONL keeps the lines of steps that were lost with the crash;
 a reader takes the *last* line of each step (``read_history`` does). TensorBoard

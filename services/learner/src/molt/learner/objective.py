@@ -1,24 +1,14 @@
 """What one optimizer step minimises: the step's advantages and each micro-batch's share of the loss.
 
 Every term comes from ``molt.algos``; this module only wires them in the order
-the learner applies them:
-
-1. ``step_advantages``: rewards clipped, then the configured estimator over the
-   whole step (group estimators merge segments by rollout id), broadcast to the
-   loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``. Except
-   ``on_policy_distill``: its per-token signal needs no step-wide statistic, so
-   ``distill_advantages`` computes it per micro-batch from the teacher's logprobs;
-   and ``gae``, which needs the critic's values of the whole step (``gae_targets``).
-2. ``micro_loss``: per token ``policy_loss * is_weight (+ kl_coef * kl) (- entropy_coef * H)``,
-   reduced with the step-wide row weights (``aggregation.row_weights``), so the
-   micro-batch losses of all ranks add up to the step's loss with no division by
-   the accumulation count.
-
-The old-policy logprobs equal the current ones detached: the learner takes one
-optimizer step per batch, so the policy that would have scored the batch
-before the update is the one being trained (the reference system skips that
-forward too in its one-step-per-batch mode). IS weights therefore compare the
-trainer with the engine, as intended.
+the learner applies them: ``step_advantages`` over the whole step (or
+``gae_targets`` from the critic's values; ``distill_advantages`` per micro-batch
+for ``on_policy_distill``), then ``micro_loss`` per micro-batch, reduced with the
+step-wide row weights so that the micro-batch losses of all ranks add up to the
+step's loss. The old-policy logprobs equal the current ones detached: the learner
+takes one optimizer step per batch, so the policy that would have scored the
+batch before the update is the one being trained; IS weights therefore compare
+the trainer with the engine, as intended.
 """
 
 from __future__ import annotations
@@ -47,7 +37,9 @@ WHITENED = ("reinforce", "reinforce_baseline")
 
 
 def step_advantages(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
-    """Per-token advantages of the whole step, ``[S, T]`` float32 on the next-token axis, 0 off the mask."""
+    """Per-token advantages of the whole step, ``[S, T]`` float32 on the next-token axis, 0 off the mask:
+    rewards clipped, then the configured estimator over the whole step (group estimators merge segments
+    by rollout id), broadcast to the loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``."""
     mask = padded([s.loss_mask for s in batch.samples])
     rewards = estimators.clip_rewards(batch.rewards, -algo.reward_clip, algo.reward_clip)
     if algo.estimator == "reinforce":
@@ -116,7 +108,9 @@ def _policy_loss(inputs: MicroInputs, old: Tensor, algo: AlgorithmSettings) -> t
 
 def micro_loss(inputs: MicroInputs, algo: AlgorithmSettings, scale: float) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the step loss (times ``scale``, the data-parallel world size, because
-    FSDP averages gradients over ranks) and its stats: detached token means over its loss tokens."""
+    FSDP averages gradients over ranks) and its stats: detached token means over its loss tokens.
+    Per token ``policy_loss * is_weight (+ kl_coef * kl) (- entropy_coef * H)``, reduced with the
+    step-wide row weights (``aggregation.row_weights``): no division by the accumulation count."""
     old = inputs.logprobs.detach()
     ism = algo.importance_sampling
     weights, stats = is_weights(

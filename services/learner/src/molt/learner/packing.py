@@ -6,24 +6,9 @@ micro-batches of at most ``budget`` tokens. Every rank gets the same number of
 micro-batches, padding with empty ones: under FSDP each forward/backward is a
 collective, so a rank with less work must still take part. Every rank computes
 the same plan from the same global batch, so no coordination is needed.
-
-Two layouts of a micro-batch (``[learner] micro_batch_layout``):
-
-- ``packed`` (``pack``): the sequences concatenated into one ``[1, N]`` row with
-  position ids restarting at 0 for each sequence and no padding; transformers
-  derives the block-diagonal causal mask from the restarts (pinned by
-  ``test_packed_logits_equal_separate``). No token is wasted, but the explicit
-  mask keeps SDPA off its flash kernel. Micro-batches are balanced by tokens.
-- ``padded`` (``pad``): one sequence per row, ``[R, L]``, right-padded; plain
-  causal attention needs no mask (a padding token comes after every real
-  token of its row, so no real token attends to it), so SDPA runs its flash
-  kernel on the same ``[R, L]`` shape a plain training loop uses. The budget
-  counts the padding (``R x L <= budget``); the split minimises the padded
-  tokens (plus a fixed cost per micro-batch), so sequences of similar length
-  share a micro-batch and a long one does not pad short ones to its length.
-  The default (``auto``): with SDPA the packed row's dense mask makes
-  attention cost (total tokens)^2 instead of the sum of each sequence's
-  length^2.
+Two layouts of a micro-batch (``[learner] micro_batch_layout``): ``packed``
+(``pack``, one row, no padding) and ``padded`` (``pad``, one sequence per row);
+``auto`` picks ``padded`` (``resolve_layout`` says why).
 """
 
 from __future__ import annotations
@@ -119,6 +104,13 @@ def padded_micro_batches(
 Layout = Literal["packed", "padded"]
 
 
+def resolve_layout(requested: str) -> Layout:
+    """``auto`` is ``padded``: with SDPA a packed row gets a dense block-diagonal mask, so its attention
+    costs (total tokens)^2 instead of the sum of each sequence's length^2 (and loses the flash kernel on a
+    GPU); bench/RESULTS.md compares the two per step."""
+    return "packed" if requested == "packed" else "padded"
+
+
 def plan(lengths: Sequence[int], world_size: int, budget: int, layout: Layout = "packed") -> list[list[list[int]]]:
     """``plan[rank][micro]`` = sample indices; every rank has the same number of micro-batches (some empty).
 
@@ -181,14 +173,20 @@ class Packed:
 
 
 def pack(sequences: Sequence[Tensor]) -> Packed:
-    """Concatenates 1-D token tensors (each >= 1 token) into one packed row."""
+    """Concatenates 1-D token tensors (each >= 1 token) into one packed ``[1, N]`` row, position ids
+    restarting at 0 for each sequence: transformers derives the block-diagonal causal mask from the
+    restarts (pinned by ``test_packed_logits_equal_separate``). No token is wasted, but the explicit
+    mask keeps SDPA off its flash kernel. Micro-batches are balanced by tokens (``micro_batches``)."""
     lengths = tuple(int(s.numel()) for s in sequences)
     position = torch.cat([torch.arange(n) for n in lengths])
     return Packed(torch.cat(list(sequences))[None], position[None], lengths, packed=True)
 
 
 def pad(sequences: Sequence[Tensor]) -> Packed:
-    """One 1-D token tensor (>= 1 token) per row of ``[R, L]``, right-padded with token 0 (never scored)."""
+    """One 1-D token tensor (>= 1 token) per row of ``[R, L]``, right-padded with token 0 (never scored).
+    Plain causal attention needs no mask (a padding token comes after every real token of its row), so
+    SDPA runs its flash kernel. The budget counts the padding (``R x L <= budget``) and the split
+    minimises it (``padded_micro_batches``): sequences of similar length share a micro-batch."""
     lengths = tuple(int(s.numel()) for s in sequences)
     input_ids = torch.zeros((len(sequences), max(lengths)), dtype=torch.int64)
     for row, sequence in enumerate(sequences):

@@ -1,16 +1,14 @@
 """Ray placement of the learner's ranks (``placement = "ray"``).
 
-``molt-learner`` becomes a Ray driver: it asks the cluster for one placement
-group of ``data_parallel_size`` bundles (a GPU and a CPU each where the cluster
-has GPUs, else ``max(cpu_threads, 1)`` CPUs each), ``STRICT_PACK`` on one node
-so that FSDP's collectives stay inside it, preferring the driver's own node so
-that rank 0's gRPC and ``/metrics`` listen addresses are where they were
-configured. Each rank is a ``RankActor`` on its bundle (Ray sets its
-``CUDA_VISIBLE_DEVICES``); rank 0 picks the rendezvous (its node address and a
-free port) and then runs exactly what a local rank runs (``run_rank``). The
-driver forwards SIGTERM/SIGINT to rank 0 (stop after the step, with a
-checkpoint), and when any rank fails it kills the others, which would otherwise
-wait in a collective forever, and raises that rank's error.
+``molt-learner`` becomes a Ray driver: it asks the cluster for one placement group of
+``data_parallel_size`` bundles (a GPU and a CPU each where the cluster has GPUs, else
+``max(cpu_threads, 1)`` CPUs each), ``STRICT_PACK`` on one node so that FSDP's collectives
+stay inside it, preferring the driver's own node so that rank 0's gRPC and ``/metrics``
+listen addresses are where they were configured. Each rank is a ``RankActor`` on its bundle
+(Ray sets its ``CUDA_VISIBLE_DEVICES``); rank 0 picks the rendezvous (its node address and a
+free port) and then runs exactly what a local rank runs (``run_rank``). The driver forwards
+SIGTERM/SIGINT to rank 0 (stop after the step, with a checkpoint), and when any rank fails it
+kills the others, which would otherwise wait in a collective forever, and raises its error.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import signal
 from typing import Any
 
 from molt.core.log import setup_logging
-from molt.core.processes import free_port
+from molt.core.ports import free_port
 from molt.learner.config import LearnerSettings
 from molt.learner.loop import LearnerLoop
 

@@ -1,22 +1,14 @@
 """The learner's side of a refit: gather full weights, send the manifest, broadcast the buckets.
 
-``WeightPublisher`` is the loop's ``on_step`` hook (rank 0). Every
-``refit_every`` steps it gathers the full tensors (``gather_for_refit``: a
-collective, so followers run it too), computes the probe logprobs, asks the
-weight-broadcaster to refit (``RefitWeights``, in a thread: the call returns
-only after validation), waits in the group's store for the broadcaster's go,
-joins the weight group when its generation changed, and broadcasts the
-buckets as rank 0. Each refit publishes the weights of a step as the
-learner's policy version of that step (``step`` unless a restart renumbered
-them: ``publish_first``). With ``refit_overlap`` (the default) everything after the
-gather runs in a background thread on a snapshot of the weights, so the loop
-trains the next step meanwhile; one refit is in flight at a time (the next
-waits for it). A failed refit raises, at the latest one step later: the loop
-stops with a checkpoint rather than train on while the engines serve
-something else.
-
-Names are the HF checkpoint's (vLLM maps them onto its fused parameters); a
-tied ``lm_head.weight`` is not sent (the engine ties it to the embedding).
+``WeightPublisher`` is the loop's ``on_step`` hook (rank 0). On a refit step it
+gathers the full tensors (``gather_for_refit``, a collective the followers join),
+scores the probe, asks the weight-broadcaster to refit (``RefitWeights``, in a
+thread: it returns after validation), waits in the group's store for the go, joins
+the weight group when its generation changed and broadcasts the buckets as rank 0.
+With ``refit_overlap`` everything after the gather runs in the background on a
+snapshot, one refit in flight at a time; a failed refit raises at the latest one
+step later, so the loop stops rather than train on while the engines serve other
+weights. Names are the HF checkpoint's; a tied ``lm_head.weight`` is not sent.
 """
 
 from __future__ import annotations
@@ -24,8 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 from uuid import uuid4
 
 import grpc
@@ -38,6 +32,7 @@ from molt.core.errors import Unavailable
 from molt.core.serve import KEEPALIVE
 from molt.core.weightsync import TensorMeta, WeightGroup, refit_keys
 from molt.learner.config import LearnerSettings
+from molt.learner.refit_faults import RefitFault, with_faults
 from molt.v1 import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,8 +75,9 @@ def snapshot(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
 class WeightPublisher:
     """Rank 0's refit client (see the module docstring)."""
 
-    def __init__(self, settings: LearnerSettings, vocab_size: int) -> None:
+    def __init__(self, settings: LearnerSettings, vocab_size: int, faults: Sequence[RefitFault] = ()) -> None:
         self.settings = settings
+        self.faults = tuple(faults)  # on purpose, for tests and gates only (refit_faults)
         self.channel = grpc.insecure_channel(
             settings.broadcaster_address,
             options=[("grpc.max_send_message_length", 64 * 1024 * 1024), *KEEPALIVE],
@@ -201,7 +197,6 @@ class WeightPublisher:
         step: int,
         state: dict[str, Tensor],
         probe_logprobs: list[float] | None,
-        manifest: list[TensorMeta] | None = None,
         probe: list[int] | None = None,
         version: int | None = None,
         continue_versions: bool = False,
@@ -209,18 +204,48 @@ class WeightPublisher:
         """One refit of ``state`` as the weights of ``step`` at policy ``version`` (default ``step``);
         returns the broadcaster's response.
 
-        ``probe_logprobs`` score ``probe`` (default ``self.probe``); None runs no probe. ``manifest``
-        defaults to ``self.manifest(state)``; tests pass another one to cause the fault of bytes
-        that differ from what was announced. ``continue_versions``: a first refit after the
-        learner started (see the broadcaster's ``RefitWeightsRequest``)."""
+        ``probe_logprobs`` score ``probe`` (default ``self.probe``); None runs no probe.
+        ``continue_versions``: a first refit after the learner started (see the broadcaster's
+        ``RefitWeightsRequest``). The faults given for ``version`` apply here (``refit_faults``)."""
         if self.store is None:
             self.register()
-        assert self.store is not None
         started = time.perf_counter()
-        metas = manifest if manifest is not None else self.manifest(state)
         version = step if version is None else version
+        metas, state = with_faults(self.faults, version, self.manifest(state), state)
+        request = self._request(step, version, metas, probe_logprobs, probe, continue_versions)
+        call = self.calls.submit(self.stub.RefitWeights, request, timeout=self.settings.refit_timeout_s)
+        go = self._wait_for_go(request.request_id, call)
+        group = self._join(go)
+        try:
+            group.send(metas, state, go["bucket_bytes"])
+        except Exception:
+            self.generation = -1  # the group is broken; the broadcaster rebuilds it next time
+            raise
+        response: weights_pb2.RefitWeightsResponse = call.result()
+        self.last_report = response.report
+        log.info(
+            "refit done",
+            extra={
+                "step": step,
+                "version": response.policy_version.version,
+                "bytes": response.report.byte_count,
+                "seconds": round(time.perf_counter() - started, 3),
+            },
+        )
+        return response
+
+    def _request(
+        self,
+        step: int,
+        version: int,
+        metas: list[TensorMeta],
+        probe_logprobs: list[float] | None,
+        probe: list[int] | None,
+        continue_versions: bool,
+    ) -> weights_pb2.RefitWeightsRequest:
+        """The ``RefitWeights`` request: the manifest, the bucket size and the probe."""
         request_id = f"{self.settings.run.run_id}-{self.nonce}-" + ("first" if continue_versions else f"v{version}")
-        request = weights_pb2.RefitWeightsRequest(
+        return weights_pb2.RefitWeightsRequest(
             request_id=request_id,
             learner_step=step,
             policy_version=version,
@@ -234,19 +259,27 @@ class WeightPublisher:
             probe_token_ids=(self.probe if probe is None else probe) if probe_logprobs is not None else [],
             probe_logprobs=probe_logprobs or [],
         )
-        call = self.calls.submit(self.stub.RefitWeights, request, timeout=self.settings.refit_timeout_s)
-        key, ready_key = refit_keys(request.request_id)
+
+    def _wait_for_go(self, request_id: str, call: Future[weights_pb2.RefitWeightsResponse]) -> dict[str, Any]:
+        """Waits in the group's store for the broadcaster's go (or for the call to fail first), then
+        writes the ready key; returns the go (generation, world size, backend, bucket bytes)."""
+        assert self.store is not None
+        key, ready_key = refit_keys(request_id)
         while True:
             if call.done():  # failed before the go (e.g. the router could not pause)
                 call.result()
-                raise Unavailable(f"refit {request.request_id} ended before the broadcaster gave the go")
+                raise Unavailable(f"refit {request_id} ended before the broadcaster gave the go")
             try:
                 self.store.wait([key], timedelta(seconds=1))
                 break
             except (RuntimeError, dist.DistStoreError):
                 continue
-        go = json.loads(self.store.get(key))
+        go: dict[str, Any] = json.loads(self.store.get(key))
         self.store.set(ready_key, b"1")  # the engine workers block on the group only once this is written
+        return go
+
+    def _join(self, go: dict[str, Any]) -> WeightGroup:
+        """The weight group of the go's generation: the current one, or a new one joined as rank 0."""
         if go["generation"] != self.generation:
             if self.group is not None:
                 self.group.close()
@@ -268,23 +301,7 @@ class WeightPublisher:
             )
             self.generation = go["generation"]
         assert self.group is not None
-        try:
-            self.group.send(metas, state, go["bucket_bytes"])
-        except Exception:
-            self.generation = -1  # the group is broken; the broadcaster rebuilds it next time
-            raise
-        response: weights_pb2.RefitWeightsResponse = call.result()
-        self.last_report = response.report
-        log.info(
-            "refit done",
-            extra={
-                "step": step,
-                "version": response.policy_version.version,
-                "bytes": response.report.byte_count,
-                "seconds": round(time.perf_counter() - started, 3),
-            },
-        )
-        return response
+        return self.group
 
     def close(self) -> None:
         if self.in_flight is not None:

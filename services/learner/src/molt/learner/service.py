@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from molt.core import rollout
 from molt.core.log import setup_logging
-from molt.core.processes import free_port
+from molt.core.ports import free_port
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import Registration, ServiceHost
 from molt.learner.checkpoint import Checkpoints

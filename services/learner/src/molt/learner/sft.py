@@ -1,16 +1,14 @@
 """Supervised fine-tuning on chat data, on the same model path and trainer as RL (a warm-up before it).
 
-Data: JSONL, one ``{"messages": [...]}`` conversation per line. The loss covers
-the assistant turns only, and their spans come from the model's own chat
-template, never from hard-coded markers: for assistant message i the span starts
-where ``render(messages[:i], add_generation_prompt=True)`` ends and stops where
-``render(messages[:i + 1])`` ends. Each rendered prefix must be a token prefix of
-the whole conversation, else the template is not prefix-stable and the
-conversation is refused.
+Data: JSONL, one ``{"messages": [...]}`` conversation per line. The loss covers the assistant
+turns only, and their spans come from the model's own chat template, never from hard-coded
+markers: for assistant message i the span starts where ``render(messages[:i],
+add_generation_prompt=True)`` ends and stops where ``render(messages[:i + 1])`` ends. Each
+rendered prefix must be a token prefix of the whole conversation, else the template is not
+prefix-stable and the conversation is refused.
 
-``run_sft(settings)`` trains ``epochs`` passes and saves the tuned model
-(``save_pretrained`` layout, with the tokenizer) for the RL run's ``model_path``;
-``molt-learner --mode sft`` calls it.
+``run_sft(settings)`` trains ``epochs`` passes and saves the tuned model (``save_pretrained``
+layout, with the tokenizer) for the RL run's ``model_path``; ``molt-learner --mode sft`` calls it.
 """
 
 from __future__ import annotations

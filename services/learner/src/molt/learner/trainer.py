@@ -2,14 +2,13 @@
 
 ``Trainer.train_step(batch)`` runs the RL step on the global batch (every rank
 gets the same ``StepBatch`` and trains its share from ``packing.plan``):
-advantages and aggregation weights over the whole step, then per packed
-micro-batch a forward, the loss of ``objective.micro_loss`` and a backward
-(gradients accumulate), then grad-norm clipping, AdamW and the scheduler.
-With more than one rank the model is sharded with FSDP2 (``fully_shard`` per
-decoder layer, then the root); the reference and teacher models are full frozen copies per rank.
+advantages and aggregation weights over the whole step, then per micro-batch a
+forward, the loss of ``objective.micro_loss`` and a backward (gradients
+accumulate), then grad-norm clipping, AdamW and the scheduler; with ``gae`` the
+critic's update follows (``critic.py``). The models come from ``models.py``:
+FSDP2-sharded over several ranks, the reference and teacher frozen full copies.
 
-The weights after step ``s`` are policy version ``s``: the weight-broadcaster
-publishes them through the loop's ``on_step`` hook after every step.
+The weights after step ``s`` are policy version ``s + version_offset``.
 """
 
 from __future__ import annotations
@@ -20,25 +19,22 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.profiler import record_function
-from transformers import AutoModelForCausalLM, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from molt.algos.aggregation import masked_mean, token_mean
 from molt.algos.checks import deferred_checks, immediate_checks
-from molt.algos.losses import value_loss
 from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
-from molt.learner.critic import Critic
-from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, token_logprobs, token_values
+from molt.learner.critic import Critic, critic_update, critic_values
+from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, token_logprobs
+from molt.learner.models import compile_layers, load_policy, model_context, resolve_backend, shard
 from molt.learner.objective import (
     MicroInputs,
     distill_advantages,
@@ -47,87 +43,12 @@ from molt.learner.objective import (
     step_advantages,
     step_row_weights,
 )
-from molt.learner.packing import Layout, Packed, layout_of, plan
+from molt.learner.packing import Layout, Packed, layout_of, plan, resolve_layout
 from molt.learner.ranks import SINGLE, RankInfo, device_for, to_device
 
 log = logging.getLogger(__name__)
-Backend = Literal["torch", "automodel"]
 # (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
 MicroLoss = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
-
-
-def resolve_layout(requested: str) -> Layout:
-    """``auto`` is ``padded``: with SDPA a packed row gets a dense block-diagonal mask, so its attention
-    costs (total tokens)^2 instead of the sum of each sequence's length^2 (and loses the flash kernel on a
-    GPU); measured 3.4x slower per step on CPU for 32 sequences of 70 tokens (bench/RESULTS.md)."""
-    return "packed" if requested == "packed" else "padded"
-
-
-def resolve_backend(requested: str, device: torch.device) -> Backend:
-    """The training backend actually used. ``auto``: NVIDIA AutoModel when the device is CUDA and
-    ``nemo_automodel`` imports, else transformers. ``automodel`` without either is a ``ConfigError``."""
-    if requested == "torch":
-        return "torch"
-    problem = None
-    if device.type != "cuda":
-        problem = "it needs CUDA (NeMoAutoModelForCausalLM places the model on a GPU)"
-    else:
-        try:
-            import nemo_automodel  # noqa: F401
-        except ImportError as exc:
-            problem = f"nemo_automodel does not import ({exc}); install the gpu extra"
-    if problem is None:
-        return "automodel"
-    if requested == "automodel":
-        raise ConfigError(f"backend 'automodel' is not available: {problem}; use 'torch' or 'auto'")
-    return "torch"
-
-
-def load_policy(
-    path: Path, device: torch.device, *, trainable: bool, backend: Backend = "torch", dtype: str = "auto"
-) -> PreTrainedModel:
-    """The causal LM at ``path``, through transformers or NVIDIA AutoModel (``NeMoAutoModelForCausalLM``,
-    its own implementation of the architecture, same parameter names); ``dtype`` auto: float32 on CPU,
-    bfloat16 on GPU. ``trainable=False`` freezes it (reference, teacher)."""
-    hf_logging.disable_progress_bar()
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
-    if backend == "automodel":
-        from nemo_automodel import NeMoAutoModelForCausalLM
-
-        # str: it tells a path from a config by type; torch_dtype: its own argument (it reads no dtype=).
-        model = NeMoAutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch_dtype).to(device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa").to(device)
-    model.train(trainable)
-    if not trainable:
-        model.requires_grad_(False)
-    return model
-
-
-def shard(model: PreTrainedModel, world_size: int, device: torch.device) -> None:
-    """FSDP2: each decoder layer is a unit (its weights gathered only while it runs), then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (world_size,))
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def compile_layers(model: nn.Module) -> None:
-    """``torch.compile`` each decoder layer (after FSDP2 wrapped it): fewer, fused kernels and far less
-    host time per step; the first steps of each new shape pay the compile (dynamic shapes after that)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ConfigError(
-            f"compile = true needs the decoder layers at model.model.layers; {type(model).__name__} has none"
-        )
-    for layer in layers:
-        layer.compile()
 
 
 def lr_factor(step: int, opt: OptimizerSettings) -> float:
@@ -146,17 +67,6 @@ class HostInputs:
     advantages: Tensor | None  # [S, T] float32; None: per micro-batch (on_policy_distill)
     returns: Tensor | None  # [S, T] the critic's targets (gae only)
     weights: Tensor  # [S] float64 aggregation weights (step_row_weights)
-
-
-def model_context(config: Any) -> int | None:
-    """The longest sequence the model's config allows: max_position_embeddings, times the RoPE scaling
-    factor where one is set (as vLLM derives its default max_model_len); None when the config says nothing."""
-    positions = getattr(config, "max_position_embeddings", None)
-    if not positions:
-        return None
-    scaling = getattr(config, "rope_scaling", None) or {}
-    factor = scaling.get("factor") if isinstance(scaling, dict) else None
-    return int(positions * factor) if isinstance(factor, int | float) and factor > 1 else int(positions)
 
 
 class StepRefused(ValueError):
@@ -303,63 +213,26 @@ class Trainer:
     def _values(self, samples: Sequence[Sample]) -> Tensor:
         """The critic's values of every sample of the step, ``[S, T]`` float32 on the CPU (no gradient)."""
         assert self.critic is not None
-        values = torch.zeros((len(samples), max(s.length for s in samples) - 1))
-        with torch.no_grad():
-            for rows in self._plan(samples, 1)[0]:
-                grid = token_values(self.critic, self._micro(samples, rows), len(rows)).cpu()
-                values[rows, : grid.shape[1]] = grid
-        return values
+        return critic_values(
+            self.critic, samples, ((rows, self._micro(samples, rows)) for rows in self._plan(samples, 1)[0])
+        )
 
     def _critic_step(self, samples: Sequence[Sample], old_values: Tensor, returns: Tensor) -> dict[str, float]:
-        """One critic update on the clipped value loss, a token mean over every loss token of the step;
-        this rank's micro-batches of the data-parallel plan, gradients summed over ranks."""
+        """One critic update (``critic_update``) on this rank's micro-batches of the data-parallel plan."""
         assert self.critic is not None
-        settings = self.settings.critic
-        total = float(sum(s.loss_tokens for s in samples))
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # value error, clip fraction, tokens
-        my_plan = self._plan(samples, self.rank.world_size)
-        for rows in my_plan[self.rank.rank]:
-            if not rows:
-                continue
-            values = token_values(self.critic, self._micro(samples, rows), len(rows))
-            width = values.shape[1]
-            mask = self._to_device(padded([samples[r].loss_mask for r in rows], width))
-            per_token, stats = value_loss(
-                values,
-                self._to_device(old_values[rows, :width]),
-                self._to_device(returns[rows, :width].float()),
-                mask,
-                clip=settings.value_clip,
-            )
-            (per_token.sum() / total).backward()
-            count = mask.sum().double()
-            sums += torch.stack(
-                [stats["value_error"].double() * count, stats["value_clip_fraction"].double() * count, count]
-            )
-        params = list(self.critic.parameters())
-        if self.rank.distributed:
-            for param in params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad)
-            dist.all_reduce(sums)
-        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-        lr = self.critic_scheduler.get_last_lr()[0]
-        if torch.isfinite(norm):  # the same on every rank (the gradients are summed over ranks)
-            self.critic_optimizer.step()
-            self.critic_scheduler.step()
-        else:  # the policy's step is applied already: skip the critic's alone, loudly
-            log.warning("critic update skipped: its gradient norm is not finite", extra={"norm": float(norm)})
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        error, clipped, tokens = (float(v) for v in sums.cpu())
-        mask = padded([s.loss_mask for s in samples]).bool()
-        return {
-            "critic/value_error": error / max(tokens, 1.0),
-            "critic/clip_fraction": clipped / max(tokens, 1.0),
-            "critic/value_mean": float(old_values[:, : mask.shape[1]][mask].mean()) if mask.any() else 0.0,
-            "critic/grad_norm": float(norm),
-            "critic/lr": lr,
-        }
+        mine = self._plan(samples, self.rank.world_size)[self.rank.rank]
+        return critic_update(
+            self.critic,
+            self.critic_optimizer,
+            self.critic_scheduler,
+            self.settings.critic,
+            samples,
+            old_values,
+            returns,
+            ((rows, self._micro(samples, rows)) for rows in mine if rows),
+            device=self.device,
+            distributed=self.rank.distributed,
+        )
 
     def _frozen_logprobs(self, model: nn.Module | None, samples: Sequence[Sample], rows: list[int]) -> Tensor | None:
         """A frozen model's (reference, teacher) logprobs of the rows' tokens at the sampling temperature."""

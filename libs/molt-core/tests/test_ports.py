@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
-from molt.core.processes import PICKED_PORTS_FROM, ephemeral_ports, free_port
+from molt.core.ports import PICKED_PORTS_FROM, ephemeral_ports, free_port
 
 
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
