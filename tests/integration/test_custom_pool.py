@@ -105,6 +105,7 @@ def test_custom_pool_groups_are_trained_on_by_the_learner(
         while (status := learner_status(address)).step < 1 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert status.step == 1 and status.consumed_trajectory_count == len(lines) * GROUP_SIZE
+        assert status.dead_letter_count == 0 and not status.skipped_group_counts
         # Trained on, not yet acknowledged (no checkpoint yet): still in the stream to read back.
         stream = redis_client.xrange(f"molt:{RUN}:trajectories")
         assert [entry_id.decode() for entry_id, _ in stream] == written

@@ -206,3 +206,20 @@ def test_a_refused_step_dead_letters_its_groups_and_leaves_no_gradient_behind(
             loop.ready[0].samples[0].rollout_logprobs[-1] = float("inf")
             loop._train_one_step()
     assert producer.stats().dead_letters == 8
+
+
+def test_groups_skipped_whole_are_counted_by_their_first_reason(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """Two good groups train step 1; a third with a token id outside the vocabulary (and of a future
+    version too) is skipped whole as invalid_token, the reason checked first, not future_version."""
+    settings = learner_settings(checkpoint_every=5, poll_s=0.05, max_steps=1)
+    bad = named_group("bad", REWARDS, version=7)
+    bad.trajectories[0].response_token_ids[0] = 10**6
+    producer = TrajectoryQueue(redis_client, "molt")
+    producer.put_many([named_group("g0", REWARDS), bad, named_group("g1", REWARDS)])
+    loop = make_loop(settings, redis_client)
+    loop.run()
+    assert loop.state.step == 1
+    assert loop.status().skipped == {"invalid_token": 1}
+    assert loop.status().dropped == {"invalid_token": len(REWARDS)}

@@ -123,7 +123,9 @@ class GetLearnerStatusResponse(_message.Message):
     last_checkpoint_step: _builtins.int
     """Step of the newest complete checkpoint; -1 when none."""
     dead_letter_count: _builtins.int
-    """Entries in the run's dead-letter stream (malformed entries, groups of refused steps), read now."""
+    """Entries in the run's dead-letter stream (malformed entries, groups of refused steps), read now;
+    -1 when Redis does not answer.
+    """
     @_builtins.property
     def dropped_trajectory_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Trajectories dropped before training, by reason (e.g. "stale", "duplicate")."""

@@ -101,6 +101,24 @@ def _invalid_token(group: common_pb2.TrajectoryGroup, vocab_size: int) -> str | 
     return f"token id {int(ids[bad[0, 0]])} is outside the vocabulary [0, {vocab_size})"
 
 
+# Why samples are dropped, in the order they are checked: a group's first reason names it.
+DROP_REASONS = (
+    "invalid_token",
+    "invalid_logprob",
+    "group_of_one",
+    "duplicate",
+    "too_long",
+    "no_loss_tokens",
+    "future_version",
+    "stale",
+)
+
+
+def first_reason(dropped: Counter[str]) -> str:
+    """The reason, of those in ``dropped``, that is checked first (another name as it is; "unknown": none)."""
+    return next((r for r in DROP_REASONS if dropped.get(r)), next(iter(dropped), "unknown"))
+
+
 def _whole_group_problem(
     group: common_pb2.TrajectoryGroup, vocab_size: int, needs_groups: bool
 ) -> tuple[str, str, dict[str, object]] | None:

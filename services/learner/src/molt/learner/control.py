@@ -30,6 +30,7 @@ class LearnerStatus:
     policy_version: int
     consumed_count: int
     dropped: dict[str, int]
+    skipped: dict[str, int]  # groups skipped whole since this process started, by reason
     last_metrics: dict[str, float]
     last_checkpoint_step: int
     last_step_time: float | None

@@ -29,7 +29,7 @@ from torch import nn
 from molt.core.errors import WrongState
 from molt.core.queue import QueueEntry, TrajectoryQueue
 from molt.learner import metrics as prom
-from molt.learner.batch import Sample, assemble, build_group
+from molt.learner.batch import Sample, assemble, build_group, first_reason
 from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import GROUP_ESTIMATORS, LearnerSettings
 from molt.learner.control import CheckpointInfo, ControlRequests, LearnerStatus
@@ -86,6 +86,7 @@ class LearnerLoop:
         self.state = RunState()
         self.ready: list[ReadyGroup] = []
         self.settled: list[str] = []  # entry ids whose use is decided, acknowledged at the next checkpoint
+        self.skipped: Counter[str] = Counter()  # groups skipped whole since this process started, by reason
         self.waited_s = 0.0  # time blocked on the queue since the last step: > 0 means the rollouts are behind
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint_step = -1
@@ -123,6 +124,7 @@ class LearnerLoop:
                 policy_version=self.state.policy_version,
                 consumed_count=len(self.state.consumed),
                 dropped=dict(self.state.dropped),
+                skipped=dict(self.skipped),
                 last_metrics=dict(self.last_metrics),
                 last_checkpoint_step=self.last_checkpoint_step,
                 last_step_time=self.last_step_time,
@@ -190,7 +192,7 @@ class LearnerLoop:
                 self.ready.append(ReadyGroup(entry, outcome.samples))
             else:
                 self.settled.append(entry.entry_id)
-                self.queue.skip([entry.entry_id])  # the agent-pool starts another in its place (docs/queue.md)
+                self._skip([entry.entry_id], outcome.dropped)
         prom.READY_GROUPS.set(len(self.ready))
 
     def _count_drops(self, dropped: Counter[str]) -> None:
@@ -199,9 +201,17 @@ class LearnerLoop:
                 self.state.dropped[reason] = self.state.dropped.get(reason, 0) + count
                 prom.DROPPED.labels(reason).inc(count)
 
-    def _trainable(self, groups: list[ReadyGroup]) -> list[Sample]:
-        """The groups' samples, re-checked: a group carried over a step may have gone stale, and one id
-        may have arrived twice (a producer writing around the queue's dedupe)."""
+    def _skip(self, entry_ids: list[str], dropped: Counter[str]) -> None:
+        """Settles groups none of whose samples is trained on: the producer starts others in their place
+        (docs/queue.md); counted by the reason that dropped them (GetLearnerStatus)."""
+        assert self.queue is not None
+        self.queue.skip(entry_ids)
+        with self._lock:
+            self.skipped[first_reason(dropped)] += len(entry_ids)
+
+    def _trainable(self, groups: list[ReadyGroup]) -> tuple[list[Sample], Counter[str]]:
+        """The groups' samples, re-checked, and what was dropped: a group carried over a step may have gone
+        stale, and one id may have arrived twice (a producer writing around the queue's dedupe)."""
         oldest_allowed = self.state.policy_version - self.drop_after
         seen: set[str] = set()
         kept: list[Sample] = []
@@ -215,7 +225,7 @@ class LearnerLoop:
                 seen.add(sample.trajectory_id)
                 kept.append(sample)
         self._count_drops(dropped)
-        return kept
+        return kept, dropped
 
     def _train_one_step(self) -> None:
         groups, self.ready = (
@@ -223,10 +233,9 @@ class LearnerLoop:
             self.ready[self.settings.rollout.groups_per_step :],
         )
         self.settled.extend(g.entry_id for g in groups)
-        samples = self._trainable(groups)
+        samples, dropped = self._trainable(groups)
         if not samples:
-            assert self.queue is not None
-            self.queue.skip([g.entry_id for g in groups])
+            self._skip([g.entry_id for g in groups], dropped)
             return
         batch = assemble(samples)
         self._broadcast(("step", batch))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import redis
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from molt.core.queue import QueueKeys
@@ -39,12 +40,23 @@ class LearnerServicer(learner_pb2_grpc.LearnerServiceServicer):
             dropped_trajectory_counts=status.dropped,
             last_step_metrics=status.last_metrics,
             last_checkpoint_step=status.last_checkpoint_step,
+            skipped_group_counts=status.skipped,
+            dead_letter_count=await asyncio.to_thread(self._dead_letters),
         )
         if status.last_step_time is not None:
             stamp = Timestamp()
             stamp.FromNanoseconds(int(status.last_step_time * 1e9))
             response.last_step_time.CopyFrom(stamp)
         return response
+
+    def _dead_letters(self) -> int:
+        """The run's dead-letter stream's length now; -1 when Redis does not answer (status still served)."""
+        if self.loop.queue is None:
+            return 0
+        try:
+            return self.loop.queue.stats().dead_letters
+        except redis.RedisError:
+            return -1
 
     @grpc_errors(DOMAIN)
     async def GetRunSettings(
