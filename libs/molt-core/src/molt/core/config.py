@@ -1,17 +1,12 @@
 """Typed configuration shared by the molt services.
 
-Each service declares one frozen settings class (``extra="forbid"``, a
-description per field, which becomes its ``--help``). ``load_settings`` builds
-it from four layers, highest first:
-
-1. CLI flags (``--engine.tensor_parallel_size 2``),
-2. environment variables (``MOLT_ROUTER_ENGINE__TENSOR_PARALLEL_SIZE=2``),
-3. the service's table of a TOML recipe (``[router]``), plus the shared ``[run]`` and ``[rollout]``
-   tables (``molt.core.rollout``: the values every service must agree on),
-4. the defaults in the class.
-
-The merge happens here, in one place, and validation errors name the key and
-value that failed. Nothing else in molt reads ``os.environ`` for settings.
+Each service declares one frozen settings class (``extra="forbid"``, a description per field,
+which becomes its ``--help``). ``load_settings`` builds it from four layers, highest first: CLI
+flags (``--engine.tensor_parallel_size 2``), environment variables
+(``MOLT_ROUTER_ENGINE__TENSOR_PARALLEL_SIZE=2``), the service's table of a TOML recipe
+(``[router]``) plus the shared ``[run]`` and ``[rollout]`` tables (``molt.core.rollout``), and
+the defaults in the class. The merge happens here, in one place; validation errors name the key,
+the value and the layer it came from. Nothing else in molt reads ``os.environ`` for settings.
 """
 
 from __future__ import annotations
