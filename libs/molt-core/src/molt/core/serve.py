@@ -54,13 +54,12 @@ STATUS_CODES: dict[type[MoltError], int] = {
 F = TypeVar("F", bound=Callable[..., Any])
 
 # A peer that stops answering without closing its connection (a frozen process, a host gone without a
-# reset) is found by HTTP/2 pings within ~15 s; without them a call waits for its deadline (600 s for a
-# generation), and a stream for ever. Pings go only while calls are open, also when no data flows (a
-# long unary call). grpc 1.85 times a ping out after ping_timeout_ms (default 60 s), not after
+# reset) is found by HTTP/2 pings within a ping interval plus its timeout; without them a call waits for
+# its deadline (long for a generation), and a stream for ever. Pings go only while calls are open, also
+# when no data flows (a long unary call). gRPC times a ping out after ping_timeout_ms, not after
 # keepalive_timeout_ms alone: both are set. Every molt server accepts pings this frequent
 # (KEEPALIVE_SERVER): gRPC documents a server default that counts pings under 5 minutes apart without
-# data as abuse. (grpc 1.85 did not cut a 32 s quiet call without it; it is kept for other versions
-# and other clients.)
+# data as abuse, which other gRPC versions and clients may enforce.
 KEEPALIVE_PING_S = 10
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", KEEPALIVE_PING_S * 1000),
