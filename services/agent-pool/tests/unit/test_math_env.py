@@ -1,15 +1,17 @@
 """The math Env's grader and Env, on the real math-verify: equivalent forms, wrong, missing and
-malformed answers (0, never an exception), the format reward, and grading off the main thread."""
+malformed answers (0, never an exception), the format reward, grading off the main thread, and a
+reply whose grading would never end (killed with its process, earning 0, the rest running on)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from molt.agent_pool.agents import Env, load_agent
-from molt.agent_pool.envs.math import MathEnv, extract_answer, grade
+from molt.agent_pool.envs.math import MathEnv, extract_answer, grade, grade_bounded
 
 
 @pytest.mark.parametrize("form", ["1/2", "0.5", "\\frac{1}{2}", "\\dfrac12", "\\frac12", "0.50"])
@@ -127,3 +129,33 @@ def test_a_subclass_changes_keys_prompt_formats_and_format_reward() -> None:
     assert env.step("6*7 = 42\n#### 42").reward == pytest.approx(1.25)
     assert env.step("#### 41").reward == pytest.approx(0.25)
     assert env.step("\\boxed{42}").reward == 0.0
+
+
+def test_bounded_grading_agrees_with_grade() -> None:
+    assert grade_bounded("\\boxed{0.5}", "\\frac{1}{2}", format_reward=0.1) == 1.1
+    assert grade_bounded("#### 41", "42", ("hash",)) == 0.0
+
+
+def test_a_reply_that_would_never_finish_grading_is_killed_and_earns_nothing() -> None:
+    """A power tower makes math-verify compute one huge integer while holding the GIL: graded in this
+    process, a second thread would stop for as long. In a child process, killed after the timeout, the
+    reply earns 0 and this process's other threads keep running throughout."""
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.05)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        reward = grade_bounded("\\boxed{9^{9^{9^9}}}", "1", timeout_s=2.0)
+    finally:
+        stop.set()
+        ticker.join()
+    assert reward == 0.0
+    # The ticker ran on while the reply was graded (about 40 ticks in the 2 s; held off the GIL by an
+    # in-process grading, it would have ticked about once).
+    assert len(ticks) >= 5

@@ -9,13 +9,19 @@ its fields. Nothing here raises on a reply: what cannot be found or parsed earns
 
 from __future__ import annotations
 
+import functools
+import logging
+import multiprocessing
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
 from typing import Literal
 
 from math_verify import parse, verify
 
 from molt.agent_pool.agents import Env, Message, Prompt, StepResult
 
+log = logging.getLogger(__name__)
 AnswerFormat = Literal["boxed", "hash"]
 
 BOXED = "\\boxed{"
@@ -90,6 +96,53 @@ def grade(
     return float(correct) + format_reward
 
 
+@functools.cache
+def _grading_context() -> ForkServerContext:
+    """Processes forked from a server that imported this module (and math-verify) once: a child then
+    starts in milliseconds, and nothing of the pool's threads, loop or gRPC state is forked with it."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
+def _grade_into(sink: Connection, reply: str, reference: str, formats: tuple[str, ...], bonus: float) -> None:
+    sink.send(grade(reply, reference, formats, bonus))  # type: ignore[arg-type]
+    sink.close()
+
+
+def grade_bounded(
+    reply: str,
+    reference: str,
+    formats: Sequence[AnswerFormat] = ("boxed",),
+    format_reward: float = 0.0,
+    timeout_s: float = 10.0,
+) -> float:
+    """``grade`` in a child process, killed after ``timeout_s`` (the reply then earns 0).
+
+    math-verify's own timeout cannot be used off the main thread, and a reply can make grading run
+    for ever: SymPy simplifying at length, or one integer power tower computed while holding the GIL,
+    which would stall every episode of the pool, not only its own. A process can be killed.
+    """
+    context = _grading_context()
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_grade_into, args=(send, reply, reference, tuple(formats), format_reward))
+    child.start()
+    send.close()
+    try:
+        if receive.poll(timeout_s):
+            return float(receive.recv())
+        log.warning("grading a reply took longer than %.1f s: it earns 0", timeout_s, extra={"replyTail": reply[-200:]})
+        return 0.0
+    except EOFError:  # the child died before answering (killed from outside, out of memory)
+        log.warning("the grading process died before answering: the reply earns 0")
+        return 0.0
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+
+
 class MathEnv(Env):
     """A single-turn math problem graded by symbolic equivalence. Configure it by subclassing.
 
@@ -101,6 +154,8 @@ class MathEnv(Env):
       ``\\boxed{...}``) and/or ``"hash"`` (after the last ``####``).
     - ``format_reward``: added when an answer was found, right or wrong (0.0: off). The episode's
       reward is then 1.0 + ``format_reward`` when right, ``format_reward`` when wrong, 0 when absent.
+    - ``grade_timeout_s``: the longest a reply's grading may take (in a child process, then killed:
+      the reply earns 0).
     - ``max_turns`` is 1; ``max_tokens`` as in ``Env``.
 
     Example: ``class Gsm8k(MathEnv): answer_formats = ("hash", "boxed"); format_reward = 0.1``.
@@ -111,6 +166,7 @@ class MathEnv(Env):
     system_prompt: str | None = "Reason step by step, and put your final answer within \\boxed{}."
     answer_formats: tuple[AnswerFormat, ...] = ("boxed",)
     format_reward: float = 0.0
+    grade_timeout_s: float = 10.0
     max_turns = 1
 
     async def reset(self, prompt: Prompt) -> list[Message]:
@@ -122,9 +178,7 @@ class MathEnv(Env):
         return [{"role": "system", "content": self.system_prompt}, question]
 
     def step(self, action: str) -> StepResult:
-        # Plain, so it runs on the episode's thread: grading has no timeout (see ``_parsed``) and
-        # SymPy can run long on an adversarial answer; there it stalls this episode, which the
-        # pool's episode_timeout_s fails, not the loop all episodes share. One huge integer
-        # operation (a power tower) holds the GIL and stalls the whole process: a known limit.
-        reward = grade(action, self.reference, self.answer_formats, self.format_reward)
+        # Plain, so it runs on the episode's thread: it waits for the grading process, which is
+        # bounded by grade_timeout_s (grade_bounded says why grading runs in a process at all).
+        reward = grade_bounded(action, self.reference, self.answer_formats, self.format_reward, self.grade_timeout_s)
         return StepResult(reward=reward, done=True)
