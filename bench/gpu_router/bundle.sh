@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds what bench/router.py needs on the GPU machine (torch 2.11 image, no vLLM, Ray or registry):
+# Builds what bench/router.py needs (and, with MOLT_BUNDLE_EXTRA, more: bench/gpu_loop/bundle.sh) on the GPU machine (torch 2.11 image, no vLLM, Ray or registry):
 # vLLM 0.26.0 (the newest release built for torch 2.11) and Ray 2.60.0 with their pure-Python and
 # cp312 dependencies, minus what the image has (torch, triton, numpy, transformers and its stack) and
 # what this bench never loads (FlashAttention and MoE kernels, FlashInfer, CUTLASS DSL, video and
@@ -16,6 +16,8 @@ for tag in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 many
   platforms+=(--platform "$tag")
 done
 printf 'vllm==0.26.0\nray==2.60.0\n' >"$work/req.in"
+# More requirements, one per line (bench/gpu_loop/bundle.sh adds what the whole loop imports).
+printf '%s\n' ${MOLT_BUNDLE_EXTRA:-} >>"$work/req.in"
 # Left out of the resolution: in the image, or never loaded on this bench's path.
 for name in torch torchaudio torchvision torchcodec triton nvidia-cutlass-dsl quack-kernels tilelang \
   humming-kernels tokenspeed-mla PyNvVideoCodec opencv-python-headless flashinfer-python nvidia-cudnn-frontend; do

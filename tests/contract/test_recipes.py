@@ -14,7 +14,7 @@ import pytest
 
 from molt.launcher.cli import main as molt_main
 from molt.launcher.plan import PlanError, check_recipe, plan_or_raise
-from molt.launcher.recipe import SERVICES, load_recipe
+from molt.launcher.recipe import SERVICES, load_recipe, wire
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
@@ -111,3 +111,27 @@ def test_plan_command_prints_every_process(capsys: pytest.CaptureFixture[str]) -
     assert "node 0: GPUs 8/8 used" in out
     assert "node 1: GPUs 8/8 used" in out
     assert out.count("engine ") == 8 and out.count("rank ") == 8
+
+
+def test_gpu_1_plan_colocates_learner_and_engine_on_one_gpu(tmp_path: Path) -> None:
+    """[launcher] colocate: both on GPU 0, the GPU counted once, and the refit wired to CUDA IPC."""
+    recipe = load_recipe(ROOT / "recipes/gpu-1.toml")
+    got = placements(ROOT / "recipes/gpu-1.toml")
+    assert [(s, g) for s, _, g, _ in got] == [("learner", (0,)), ("router", (0,))]
+    assert "node 0: GPUs 1/1 used" in plan_or_raise(recipe).render("plan")
+    assert wire(recipe, tmp_path, None, None)["broadcaster"]["backend"] == "cuda_ipc"
+    assert recipe.broadcaster.backend == "auto"  # the recipe itself names no transport
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("learner.data_parallel_size=2", "launcher.gpus_per_node=2"), r"the recipe has 2 rank\(s\), 1 engine\(s\)"),
+        (("router.engine.engine_count=2",), r"1 rank\(s\), 2 engine\(s\)"),
+        (("broadcaster.backend=nccl",), r"its refit goes through CUDA IPC, but \[broadcaster\] backend = 'nccl'"),
+        (("launcher.gpus_per_node=0",), r"it needs GPUs"),
+    ],
+)
+def test_colocation_beyond_one_gpu_is_refused(sets: tuple[str, ...], message: str) -> None:
+    with pytest.raises(PlanError, match=r"\[launcher\] colocate = true: .*" + message):
+        plan_or_raise(load_recipe(ROOT / "recipes/gpu-1.toml", sets))

@@ -65,8 +65,22 @@ def stack_keeping_kv(
     )
 
 
+@pytest.fixture(scope="module")
+def stack_counting(
+    ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The same stack with ``[router.engine] version_source = "counts"`` (what a vLLM without labels gets)."""
+    yield from running_stack(
+        ray_head,
+        tiny_model,
+        tmp_path_factory.mktemp("refit-counts"),
+        f"{RUN_ID}-counts",
+        engine='version_source = "counts"',
+    )
+
+
 def running_stack(
-    ray_head: str, tiny_model: Path, workdir: Path, run_id: str, extra_recipe: str = ""
+    ray_head: str, tiny_model: Path, workdir: Path, run_id: str, extra_recipe: str = "", engine: str = ""
 ) -> Iterator[dict[str, Any]]:
     model_b = build(workdir / "model-b", seed=1)
     redis_server = RedisServer(workdir / "redis")
@@ -89,6 +103,7 @@ model_path = "{tiny_model}"
 dtype = "float32"
 max_model_len = 1024
 engine_args = {{ enforce_eager = true }}
+{engine}
 
 [broadcaster]
 listen = "127.0.0.1:{broadcaster_port}"
@@ -460,14 +475,19 @@ def straddle_refits(stack: dict[str, Any], max_attempts: int = 4) -> tuple[list[
     raise AssertionError(f"no streamed or no unary request straddled a refit in {max_attempts} attempts")
 
 
-def test_each_token_carries_the_version_of_the_weights_that_sampled_it(stack: dict[str, Any]) -> None:
+@pytest.mark.parametrize("source", ["labels", "counts"])
+def test_each_token_carries_the_version_of_the_weights_that_sampled_it(
+    source: str, request: pytest.FixtureRequest
+) -> None:
     """With the default ``kv_cache = "recompute"``. The engine hands a streamed request's tokens out 8 at
     a time (``stream_interval``), so the tokens sampled just before the pause wait in vLLM and leave
     in one output with tokens sampled after the resume; a unary request's tokens leave in one output
     at the end. Ground truth: a token's logprob is model A's when A sampled it and model B's when B
     did (the two differ by > 0.05 on the probe), so each token's policy version must name the model
-    whose logprob it carries."""
-    attempts, model_a, model_b = straddle_refits(stack)
+    whose logprob it carries. ``counts``: the versions a vLLM without labels gets (``version_counts``)."""
+    attempts, model_a, model_b = straddle_refits(
+        request.getfixturevalue("stack" if source == "labels" else "stack_counting")
+    )
     for straddle in attempts:
         for run in straddle.runs:
             tokens, versions = run["token_ids"], run["policy_versions"]

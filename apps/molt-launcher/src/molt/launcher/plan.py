@@ -54,7 +54,7 @@ class Plan:
         lines = [title]
         for node in range(self.nodes):
             on_node = [p for p in self.placements if p.node == node]
-            gpus = sum(len(p.gpus) for p in on_node)
+            gpus = len({g for p in on_node for g in p.gpus})  # colocated processes share theirs
             cpus = sum(p.cpus for p in on_node)
             lines.append(
                 f"node {node}: GPUs {gpus}/{self.gpus_per_node} used, CPUs {cpus}/{self.cpus_per_node} reserved"
@@ -64,6 +64,25 @@ class Plan:
                 cpus_text = f"{p.cpus} CPU" if p.cpus else "shared CPUs"
                 lines.append(f"  {p.service:<12} {p.process:<16} {where:<18} {cpus_text}")
         return "\n".join(lines)
+
+
+def check_colocation(recipe: Recipe) -> None:
+    """``[launcher] colocate``: one learner rank and one engine of one GPU share a GPU, and the refit goes
+    through CUDA IPC from the learner to that engine (a rank on another GPU could not open its handles)."""
+    engine = recipe.router.engine
+    problems = []
+    if recipe.launcher.gpus_per_node == 0:
+        problems.append("it needs GPUs (gpus_per_node = 0)")
+    if recipe.learner.data_parallel_size != 1 or engine.engine_count != 1 or engine.tensor_parallel_size != 1:
+        problems.append(
+            f"it shares one GPU between one learner rank and one engine of tensor_parallel_size 1; the recipe has "
+            f"{recipe.learner.data_parallel_size} rank(s), {engine.engine_count} engine(s) of "
+            f"tensor_parallel_size {engine.tensor_parallel_size}"
+        )
+    if recipe.broadcaster.backend not in ("auto", "cuda_ipc"):
+        problems.append(f"its refit goes through CUDA IPC, but [broadcaster] backend = {recipe.broadcaster.backend!r}")
+    if problems:
+        raise PlanError("[launcher] colocate = true: " + "; ".join(problems))
 
 
 def make_plan(recipe: Recipe) -> Plan:
@@ -82,8 +101,11 @@ def make_plan(recipe: Recipe) -> Plan:
             f"learner: data_parallel_size = {ranks} ranks need {need} {unit} on one node (its ranks share node "
             f"0), but [launcher] declares {have} {unit} per node"
         )
+    if launcher.colocate:
+        check_colocation(recipe)
     for rank in range(ranks):
-        gpus = (free_gpus[0].pop(0),) if on_gpu else ()
+        # Colocated, the engine takes the same GPU: the learner's rank leaves it in the free list.
+        gpus = ((free_gpus[0][rank] if launcher.colocate else free_gpus[0].pop(0)),) if on_gpu else ()
         placements.append(Placement("learner", f"rank {rank}", 0, gpus, 1))
         free_cpus[0] -= 1
 

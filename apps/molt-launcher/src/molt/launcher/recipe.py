@@ -52,6 +52,11 @@ class LauncherSettings(BaseModel):
 
     nodes: int = Field(1, ge=1, description="Nodes of the cluster the run uses (node 0 runs the launcher).")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 = a CPU run (engines and ranks take CPUs).")
+    colocate: bool = Field(
+        False,
+        description="The learner and the engines share the GPUs (one GPU: one learner rank and one engine): split "
+        "the memory with [router.engine] gpu_memory_utilization; refits go through CUDA IPC, not NCCL.",
+    )
     cpus_per_node: int = Field(2, ge=1, description="CPUs per node (the local Ray head gets this many).")
     ray_address: str | None = Field(
         None, description="Existing Ray cluster (host:port) for router and broadcaster; unset = start a local head."
@@ -219,6 +224,8 @@ def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str 
     tables["broadcaster"]["router_address"] = router
     broadcaster = connect_address(recipe.broadcaster.listen)
     tables["learner"]["broadcaster_address"] = broadcaster
+    if recipe.launcher.colocate:
+        tables["broadcaster"]["backend"] = "cuda_ipc"
     if recipe.agent_pool is not None:
         tables["agent_pool"]["router_address"] = router
         tables["agent_pool"]["broadcaster_address"] = broadcaster

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from molt.core.errors import Unavailable
 from molt.core.serve import KEEPALIVE
+from molt.core.weight_ipc import IpcWeightGroup, open_weight_group
 from molt.core.weightsync import TensorMeta, WeightGroup, refit_keys
 from molt.learner.config import LearnerSettings
 from molt.learner.refit_faults import RefitFault, with_faults
@@ -84,7 +85,7 @@ class WeightPublisher:
         )
         self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
         self.probe = probe_token_ids(vocab_size, settings.refit_probe_tokens)
-        self.group: WeightGroup | None = None
+        self.group: WeightGroup | IpcWeightGroup | None = None
         self.generation = -1
         self.calls = ThreadPoolExecutor(1, thread_name_prefix="refit")
         self.store: dist.TCPStore | None = None
@@ -278,15 +279,15 @@ class WeightPublisher:
         self.store.set(ready_key, b"1")  # the engine workers block on the group only once this is written
         return go
 
-    def _join(self, go: dict[str, Any]) -> WeightGroup:
+    def _join(self, go: dict[str, Any]) -> WeightGroup | IpcWeightGroup:
         """The weight group of the go's generation: the current one, or a new one joined as rank 0."""
         if go["generation"] != self.generation:
             if self.group is not None:
                 self.group.close()
             device = (
-                torch.device("cuda", torch.cuda.current_device()) if go["backend"] == "nccl" else torch.device("cpu")
+                torch.device("cuda", torch.cuda.current_device()) if go["backend"] != "gloo" else torch.device("cpu")
             )
-            self.group = WeightGroup(
+            self.group = open_weight_group(
                 self.host,
                 self.port,
                 0,

@@ -47,6 +47,15 @@ class EngineSettings(BaseModel):
             "processes beside it), 'auto': sleep on CPU engines, spin on GPU engines."
         ),
     )
+    version_source: Literal["auto", "labels", "counts"] = Field(
+        "auto",
+        description=(
+            "How each sampled token gets the policy version of the weights that sampled it: 'labels' (the engine "
+            "core's weight-version labels, vLLM >= 0.30), 'counts' (every request's token count read from the "
+            "engine core while it is paused for a refit; any vLLM molt supports), 'auto': labels where vLLM has "
+            "them, else counts."
+        ),
+    )
 
 
 class SamplingSettings(BaseModel):

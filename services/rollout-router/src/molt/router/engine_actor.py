@@ -38,7 +38,8 @@ from molt.router.data_channel import (
     keep_alive,
     read_frame,
 )
-from molt.router.sampling import Sampling
+from molt.router.sampling import Sampling, vllm_params
+from molt.router.version_counts import UTILITY, CountedVersions
 from molt.router.versioned_chunks import chunks_of, token_versions
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class EngineSpec:
     stream_interval: int
     engine_args: dict[str, Any]
     wait: Literal["spin", "sleep"] = "spin"  # how vLLM's own processes wait for each other (molt.router.vllm_wait)
+    version_source: Literal["auto", "labels", "counts"] = "auto"  # how tokens get their version (_versions)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class EngineActor:
         self.flusher: asyncio.Task[None] | None = None
         self.opening = asyncio.Lock()  # two ``channel`` calls at once open one server
         self.stall_watch: StallWatch | None = None
+        self.counted: CountedVersions | None = None  # versions from token counts (a vLLM without labels)
 
     async def start(self) -> EngineInfo:
         """Builds the vLLM engine (it loads the model, which takes a while); idempotent."""
@@ -122,6 +125,7 @@ class EngineActor:
                 **self.spec.engine_args,
             )
             self.llm = AsyncLLM.from_engine_args(args)
+            self._choose_version_source()
             await self._label(self.policy_version)
             if self.stall_watch is None:  # after the build, which blocks this loop on purpose (imports, load)
                 self.stall_watch = StallWatch(f"engine actor {self.spec.engine_id}")
@@ -134,6 +138,16 @@ class EngineActor:
             policy_version=self.policy_version,
             paused=self.paused,
         )
+
+    def _choose_version_source(self) -> None:
+        """Labels where the engine core has them (``versioned_chunks``), else counts (``version_counts``)."""
+        labels = hasattr(self.llm.engine_core, "set_weight_version_async")
+        source = self.spec.version_source
+        if source == "labels" and not labels:
+            raise RuntimeError("version_source = 'labels', but this vLLM has no weight-version labels; use 'auto'")
+        if source == "counts" or not labels:
+            self.counted = CountedVersions()
+            log.info("token versions from engine-side token counts", extra={"engine": self.spec.engine_id})
 
     async def channel(self) -> ChannelAddress:
         """Opens the data channel (once) on this node's address and returns where it listens. A router
@@ -267,36 +281,21 @@ class EngineActor:
             running = self.tasks.get(request_id)
             if running is not None and running.task is asyncio.current_task():  # not a newer one of the same id
                 del self.tasks[request_id]
+                if self.counted is not None:
+                    self.counted.forget(request_id)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, final_only: bool = False
     ) -> AsyncIterator[Chunk]:
-        """Streams the request's samples as chunks; aborting the request ends the stream. With
-        ``final_only`` vLLM hands out each sample once, finished (no output per ``stream_interval``
-        tokens to carry through the actor, the data channel and the router: what a unary call needs)."""
-        from vllm import SamplingParams
+        """Streams the request's samples as chunks; aborting the request ends the stream.
+        ``final_only``: each sample once, finished (``sampling.vllm_params``)."""
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            n=sampling.sample_count,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
-            stop_token_ids=list(sampling.stop_token_ids),
-            stop=list(sampling.stop_strings),
-            include_stop_str_in_output=True,
-            seed=sampling.seed,
-            logprobs=sampling.top_logprob_count,
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
-            # Token ids out, so text is needed only to match stop strings: skip the detokenizer otherwise.
-            detokenize=bool(sampling.stop_strings),
-        )
+        params = vllm_params(sampling, final_only)
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         sent = [0] * sampling.sample_count  # tokens handed out so far, per sample
+        if self.counted is not None:
+            self.counted.begin(request_id, sampling.sample_count, self.policy_version)
         # Closing vLLM's generator early (a cancel, an error here) makes it abort the request by vLLM's
         # own id; an abort by ours could hit a newer request that reuses it.
         async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
@@ -309,7 +308,10 @@ class EngineActor:
                             yield chunk
 
     def _versions(self, request_id: str, completion: Any, start: int) -> list[int]:
-        """The policy version of each of ``completion``'s tokens (``versioned_chunks.token_versions``)."""
+        """The policy version of each of ``completion``'s tokens (``versioned_chunks.token_versions``, or
+        ``version_counts`` where vLLM has no labels)."""
+        if self.counted is not None:
+            return self.counted.versions(request_id, completion.index, start, len(completion.token_ids))
         return token_versions(self.llm.output_processor, request_id, completion, start)
 
     async def pause(self, mode: Literal["wait", "keep"], clear_cache: bool = True) -> None:
@@ -334,15 +336,22 @@ class EngineActor:
         """Labels outputs ``policy_version`` and resumes, in one round trip to the engine core: it handles
         one client's calls in the order they were sent (one socket, one input queue) and runs no step
         while paused, so the label is in place before the first step under the new weights."""
-        self.policy_version = policy_version
         core = self.llm.engine_core
+        if self.counted is not None:  # read while paused: no step runs until the resume below
+            counts = await core.call_utility_async(UTILITY)
+            self.counted.switch(self.llm.output_processor, counts, list(self.tasks), policy_version)
+            self.policy_version = policy_version
+            await core.resume_scheduler_async()
+            return
+        self.policy_version = policy_version
         # gather starts its tasks in order, and each sends its message before its first await.
         await asyncio.gather(core.set_weight_version_async(str(policy_version)), core.resume_scheduler_async())
 
     async def _label(self, policy_version: int) -> None:
         """From the next engine step on, outputs are labelled ``policy_version`` (set only while paused)."""
         self.policy_version = policy_version
-        await self.llm.engine_core.set_weight_version_async(str(policy_version))
+        if self.counted is None:
+            await self.llm.engine_core.set_weight_version_async(str(policy_version))
 
     async def probe(self, token_ids: list[int], policy_version: int) -> list[float]:
         """Teacher-forced logprobs of ``token_ids[1:]`` under the loaded weights (temperature 1, no cut).

@@ -88,6 +88,7 @@ def engine_spec(settings: RouterSettings, engine_id: str, use_gpu: bool) -> Engi
         stream_interval=engine.stream_interval,
         engine_args={**extra, **engine.engine_args},
         wait=engine.wait if engine.wait != "auto" else ("spin" if use_gpu else "sleep"),
+        version_source=engine.version_source,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from molt.core.errors import InvalidInput
 from molt.core.rollout import RolloutSettings
@@ -161,3 +162,28 @@ def resolve(
         top_logprob_count=requested.top_logprob_count,
     )
     return Resolved(sampling, tuple(ignored))
+
+
+def vllm_params(sampling: Sampling, final_only: bool) -> Any:
+    """vLLM's ``SamplingParams`` for ``sampling``. With ``final_only`` vLLM hands out each sample once,
+    finished (no output per ``stream_interval`` tokens: what a unary call needs)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=sampling.sample_count,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        stop_token_ids=list(sampling.stop_token_ids),
+        stop=list(sampling.stop_strings),
+        include_stop_str_in_output=True,
+        seed=sampling.seed,
+        logprobs=sampling.top_logprob_count,
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+        # Token ids out, so text is needed only to match stop strings: skip the detokenizer otherwise.
+        detokenize=bool(sampling.stop_strings),
+    )

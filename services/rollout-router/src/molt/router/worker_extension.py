@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from molt.core.weight_ipc import IpcWeightGroup, open_weight_group
 from molt.core.weightsync import (
     TensorMeta,
     WeightGroup,
@@ -88,7 +89,7 @@ class WeightReceiver:
         its way (``wait_for_sender``)."""
         device = torch.device("cpu") if backend == "gloo" else torch.device(self.device)
         rank = first_rank + int(getattr(self, "rank", 0))
-        group = WeightGroup(
+        group = open_weight_group(
             host,
             port,
             rank,
@@ -109,7 +110,7 @@ class WeightReceiver:
     def receive_weights(self, manifest_json: str, bucket_bytes: int, ready_key: str = "") -> dict[str, Any]:
         """Receives, validates and (when valid) loads one refit; returns a report (see module docstring).
         With ``ready_key``, first waits for the learner to be on its way (``wait_for_sender``)."""
-        group: WeightGroup | None = getattr(self, "_molt_group", None)
+        group: WeightGroup | IpcWeightGroup | None = getattr(self, "_molt_group", None)
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
         if ready_key:

@@ -22,7 +22,11 @@ class BroadcasterSettings(ServiceSettings):
     store_host: str = Field(
         "127.0.0.1", description="Address the learner and engine workers use to reach the TCPStore (this host)."
     )
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL on GPUs, gloo on CPU.")
+    backend: Literal["auto", "nccl", "gloo", "cuda_ipc"] = Field(
+        "auto",
+        description="auto: NCCL on GPUs, gloo on CPU; cuda_ipc: the learner and the engines share one GPU "
+        "(NCCL refuses two ranks on one device; molt up sets it for [launcher] colocate).",
+    )
     bucket_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="Upper bound of one broadcast bucket, bytes.")
     probe: bool = Field(
         True,
