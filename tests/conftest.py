@@ -166,10 +166,11 @@ class RefitStack:
 
 
 def launch_refit_stack(
-    ray_head: str, model_path: Path, workdir: Path, run_id: str, extra_recipe: str = ""
+    ray_head: str, model_path: Path, workdir: Path, run_id: str, extra_recipe: str = "", engine: str = ""
 ) -> RefitStack:
     """Starts a ``RefitStack`` serving ``model_path`` in the Ray cluster at ``ray_head`` (its files under
-    ``workdir``); ``extra_recipe`` is appended to its recipe. The broadcaster probes with tolerance 1e-3."""
+    ``workdir``); ``extra_recipe`` is appended to its recipe, ``engine`` to its ``[router.engine]`` table.
+    The broadcaster probes with tolerance 1e-3."""
     redis_server = RedisServer(workdir / "redis")
     redis_server.start()
     router_port, broadcaster_port, broadcaster_metrics = free_port(), free_port(), free_port()
@@ -190,6 +191,7 @@ model_path = "{model_path}"
 dtype = "float32"
 max_model_len = 1024
 engine_args = {{ enforce_eager = true }}
+{engine}
 
 [broadcaster]
 listen = "127.0.0.1:{broadcaster_port}"

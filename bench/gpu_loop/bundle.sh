@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MOLT_BUNDLE_EXTRA="pydantic-settings==2.16.3 protobuf==7.36.2 anthropic==2.16.0 math-verify==0.9.0 datasets==5.2.0" \
+  MOLT_BUNDLE_DROP="pyarrow|pandas|sympy|mpmath|pillow|scipy|aiohttp|requests|urllib3|pyyaml|psutil|msgpack|cloudpickle|xxhash|multidict|yarl|frozenlist|aiosignal|propcache|attrs|certifi|idna|charset-normalizer|click|rich|pygments" \
   bash bench/gpu_router/bundle.sh
 mkdir -p .gpu/redis
 cp "$(readlink -f "$(command -v redis-server)")" .gpu/redis/redis-server.bin

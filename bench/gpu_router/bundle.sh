@@ -26,7 +26,8 @@ done >"$work/overrides.txt"
 uv pip compile "$work/req.in" --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
   --overrides "$work/overrides.txt" --no-header --no-annotate -o "$work/req.txt"
 # The image's own: numpy, transformers and what it needs; numba is loaded only for n-gram speculation.
-grep -v -E '^(numpy|transformers|tokenizers|huggingface-hub|hf-xet|safetensors|jinja2|markupsafe|filelock|fsspec|regex|tqdm|packaging|setuptools|numba|llvmlite|grpcio|apache-tvm-ffi)==' \
+# MOLT_BUNDLE_DROP: more of the image's own, '|'-separated.
+grep -v -E "^(numpy|transformers|tokenizers|huggingface-hub|hf-xet|safetensors|jinja2|markupsafe|filelock|fsspec|regex|tqdm|packaging|setuptools|numba|llvmlite|grpcio|apache-tvm-ffi${MOLT_BUNDLE_DROP:+|$MOLT_BUNDLE_DROP})==" \
   "$work/req.txt" >"$work/carry.txt"
 # molt's generated stubs need grpcio 1.85.1 with its health, reflection and status packages; xgrammar needs a
 # newer tvm-ffi than vLLM 0.26 pins (that pin is for FlashInfer, which is not carried).

@@ -34,7 +34,7 @@ from molt.agent_pool.version_watch import VersionWatch
 from molt.core.config import RunSettings
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import error_info
-from molt.core.testing import RAY_ENV, RedisServer, ServiceProcess, free_port, nest_rollout, scrape
+from molt.core.testing import free_port, nest_rollout, scrape
 from molt.core.tiny_model import build
 from molt.learner.checkpoint import Checkpoints, RunState
 from molt.learner.config import LearnerSettings
@@ -51,27 +51,33 @@ PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
 
 
 @pytest.fixture(scope="module")
-def stack(ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    yield from running_stack(ray_head, tiny_model, tmp_path_factory.mktemp("refit"), RUN_ID)
+def stack(
+    start_refit_stack: Callable[..., Any], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    yield from running_stack(start_refit_stack, tiny_model, tmp_path_factory.mktemp("refit"), RUN_ID)
 
 
 @pytest.fixture(scope="module")
 def stack_keeping_kv(
-    ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    start_refit_stack: Callable[..., Any], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
     """The same stack with ``[router.pause] kv_cache = "keep"``."""
     yield from running_stack(
-        ray_head, tiny_model, tmp_path_factory.mktemp("refit-kv"), f"{RUN_ID}-kv", '[router.pause]\nkv_cache = "keep"\n'
+        start_refit_stack,
+        tiny_model,
+        tmp_path_factory.mktemp("refit-kv"),
+        f"{RUN_ID}-kv",
+        '[router.pause]\nkv_cache = "keep"\n',
     )
 
 
 @pytest.fixture(scope="module")
 def stack_counting(
-    ray_head: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    start_refit_stack: Callable[..., Any], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
     """The same stack with ``[router.engine] version_source = "counts"`` (what a vLLM without labels gets)."""
     yield from running_stack(
-        ray_head,
+        start_refit_stack,
         tiny_model,
         tmp_path_factory.mktemp("refit-counts"),
         f"{RUN_ID}-counts",
@@ -80,76 +86,33 @@ def stack_counting(
 
 
 def running_stack(
-    ray_head: str, tiny_model: Path, workdir: Path, run_id: str, extra_recipe: str = "", engine: str = ""
+    start_refit_stack: Callable[..., Any],
+    tiny_model: Path,
+    workdir: Path,
+    run_id: str,
+    extra_recipe: str = "",
+    engine: str = "",
 ) -> Iterator[dict[str, Any]]:
     model_b = build(workdir / "model-b", seed=1)
-    redis_server = RedisServer(workdir / "redis")
-    redis_server.start()
-    router_port, broadcaster_port, broadcaster_metrics = free_port(), free_port(), free_port()
-    recipe = workdir / "recipe.toml"
-    recipe.write_text(f"""
-[run]
-run_id = "{run_id}"
-run_dir = "{workdir / "run"}"
-redis_url = "{redis_server.url}"
-
-[router]
-listen = "127.0.0.1:{router_port}"
-metrics_port = 0
-ray_address = "{ray_head}"
-
-[router.engine]
-model_path = "{tiny_model}"
-dtype = "float32"
-max_model_len = 1024
-engine_args = {{ enforce_eager = true }}
-{engine}
-
-[broadcaster]
-listen = "127.0.0.1:{broadcaster_port}"
-metrics_port = {broadcaster_metrics}
-router_address = "127.0.0.1:{router_port}"
-ray_address = "{ray_head}"
-probe_tolerance = 1e-3
-refit_timeout_s = 300
-join_timeout_s = 15
-{extra_recipe}""")
-    router = ServiceProcess(
-        [sys.executable, "-m", "molt.router", "--config", str(recipe)],
-        f"127.0.0.1:{router_port}",
-        workdir / "router.log",
-        env=RAY_ENV,
-        service="molt.v1.RolloutService",
-    )
-    router.start(timeout_s=420)
-    broadcaster = ServiceProcess(
-        [sys.executable, "-m", "molt.broadcaster", "--config", str(recipe)],
-        f"127.0.0.1:{broadcaster_port}",
-        workdir / "broadcaster.log",
-        env=RAY_ENV,
-        service="molt.v1.WeightService",
-    )
-    broadcaster.start(timeout_s=120)
+    stack = start_refit_stack(tiny_model, workdir, run_id, extra_recipe, engine)
     settings = LearnerSettings(
         model_path=model_b,
-        broadcaster_address=f"127.0.0.1:{broadcaster_port}",
+        broadcaster_address=stack.broadcaster,
         refit_every=1,
         refit_bucket_bytes=64 * 1024,
-        run=RunSettings(run_id=run_id, redis_url=redis_server.url),
+        run=RunSettings(run_id=run_id, redis_url=stack.redis_url),
     )
     yield {
-        "router": f"127.0.0.1:{router_port}",
-        "broadcaster": f"127.0.0.1:{broadcaster_port}",
+        "router": stack.router,
+        "broadcaster": stack.broadcaster,
         "model_a": tiny_model,
         "model_b": model_b,
         "settings": settings,
-        "redis": redis_server.url,
-        "broadcaster_process": broadcaster,
-        "broadcaster_metrics": broadcaster_metrics,
+        "redis": stack.redis_url,
+        "broadcaster_process": stack.processes[1],
+        "broadcaster_metrics": stack.broadcaster_metrics_port,
     }
-    broadcaster.stop()
-    router.stop()
-    redis_server.stop()
+    stack.stop()
 
 
 def load(path: Path) -> torch.nn.Module:
