@@ -20,9 +20,11 @@ for entry in molt=molt.launcher.cli molt-router=molt.router.__main__ molt-broadc
   chmod +x /tmp/molt-bin/$name
 done
 if [ -f .gpu/redis/redis-server.bin ]; then
-  cp -r .gpu/redis /tmp/molt-redis
+  mkdir -p /tmp/molt-redis && cp .gpu/redis/* /tmp/molt-redis/
 fi
-printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/molt-redis exec -a redis-server /tmp/molt-redis/redis-server.bin "$@"\n' >/tmp/molt-bin/redis-server
+# Debian's redis-server is redis-check-rdb under another name: it picks its mode by argv[0].
+printf '#!/bin/bash\nexport LD_LIBRARY_PATH=/tmp/molt-redis\nexec -a redis-server /tmp/molt-redis/redis-server.bin "$@"\n' \
+  >/tmp/molt-bin/redis-server
 chmod +x /tmp/molt-bin/redis-server
 export PATH=/tmp/molt-bin:$PATH
 src=$(ls -d "$root"/libs/*/src "$root"/services/*/src "$root"/apps/*/src | tr '\n' ':')
