@@ -21,4 +21,4 @@ root=$PWD
 # FlashInfer is not carried either; without it vLLM samples with PyTorch.
 export VLLM_USE_FLASHINFER_SAMPLER=0 RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, torch.cuda.get_device_name(0))"
+PYTHONPATH=/tmp/molt-site python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, torch.cuda.get_device_name(0))"
