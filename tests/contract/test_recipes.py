@@ -74,6 +74,19 @@ def test_cluster_plan_train_node_0_rollout_node_1() -> None:
     assert [(n, g) for s, n, g, _ in got if s == "router"] == [(1, (i,)) for i in range(8)]
 
 
+def test_cluster_engines_are_pinned_to_their_planned_nodes(tmp_path: Path) -> None:
+    """On several nodes the launcher hands the router its plan: each engine's node, which the router turns
+    into a Ray label selector (molt/node=<index>). A recipe pinning engines itself is refused there."""
+    sets = ["learner.data_parallel_size=6", "router.engine.engine_count=7"]
+    recipe = load_recipe(ROOT / "recipes/cluster.toml", sets)
+    plan = plan_or_raise(recipe)
+    assert plan.engine_nodes() == [0, 0, 1, 1, 1, 1, 1]  # first-fit: node 0's 2 GPUs the learner leaves
+    tables = wire(recipe, tmp_path, None, "10.0.0.1:6379", plan.engine_nodes())
+    assert tables["router"]["engine"]["nodes"] == [0, 0, 1, 1, 1, 1, 1]
+    pinned = load_recipe(ROOT / "recipes/cluster.toml", ["router.engine.nodes=[1, 1, 1, 1, 1, 1, 1, 1]"])
+    assert any("leave router.engine.nodes unset" in p for p in check_recipe(pinned))
+
+
 def test_tensor_parallel_engines_pack_on_one_node() -> None:
     """4 engines x TP 2 beside 8 learner ranks: each engine's 2 GPUs on one node."""
     got = placements(
@@ -119,7 +132,7 @@ def test_gpu_1_plan_colocates_learner_and_engine_on_one_gpu(tmp_path: Path) -> N
     got = placements(ROOT / "recipes/gpu-1.toml")
     assert [(s, g) for s, _, g, _ in got] == [("learner", (0,)), ("router", (0,))]
     assert "node 0: GPUs 1/1 used" in plan_or_raise(recipe).render("plan")
-    assert wire(recipe, tmp_path, None, None)["broadcaster"]["backend"] == "cuda_ipc"
+    assert wire(recipe, tmp_path, None, None, [0])["broadcaster"]["backend"] == "cuda_ipc"
     assert recipe.broadcaster.backend == "auto"  # the recipe itself names no transport
 
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from molt.core.testing import RAY_ENV, ServiceProcess
+from molt.core.testing import ServiceProcess, ray_driver
 from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -91,15 +88,6 @@ async def take_over(address: str) -> tuple[rollout_pb2.GetRouterStatusResponse, 
         waiting = await waiting_requests(stub, len(IDS))
         await stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=60)
         return status, waiting, list(await asyncio.gather(*runs))
-
-
-def ray_driver(ray_address: str, body: str) -> str:
-    """Runs ``body`` in a Ray driver of its own connected to ``ray_address``; returns its last output line."""
-    script = f"import json, ray\nray.init(address={ray_address!r}, logging_level='ERROR')\n{body}"
-    env = {**os.environ, **RAY_ENV}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
 
 def group_state(ray_address: str) -> str | None:

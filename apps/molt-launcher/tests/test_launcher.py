@@ -89,13 +89,14 @@ def test_set_overrides_parse_values_as_toml() -> None:
 
 def test_wiring_points_clients_at_servers_and_models_at_the_sft_output(tmp_path: Path) -> None:
     recipe = load_recipe(TINY, ["router.listen=0.0.0.0:6001", "broadcaster.listen=127.0.0.1:6004"])
-    tables = wire(recipe, tmp_path, "redis://127.0.0.1:7/0", "127.0.0.1:9")
+    tables = wire(recipe, tmp_path, "redis://127.0.0.1:7/0", "127.0.0.1:9", [0])
     assert tables["agent_pool"]["router_address"] == "127.0.0.1:6001"
     assert tables["broadcaster"]["router_address"] == "127.0.0.1:6001"
     assert tables["learner"]["broadcaster_address"] == "127.0.0.1:6004"
     assert tables["router"]["ray_address"] == tables["broadcaster"]["ray_address"] == "127.0.0.1:9"
     assert "ray_address" not in tables["learner"]  # its ranks are local processes
-    placed = wire(load_recipe(TINY, ["learner.placement=ray"]), tmp_path, None, "127.0.0.1:9")
+    assert "nodes" not in tables["router"]["engine"]  # one node: Ray places the engines
+    placed = wire(load_recipe(TINY, ["learner.placement=ray"]), tmp_path, None, "127.0.0.1:9", [0])
     assert placed["learner"]["ray_address"] == "127.0.0.1:9"
     assert tables["run"] == {**recipe.tables["run"], "run_dir": str(tmp_path), "redis_url": "redis://127.0.0.1:7/0"}
     sft = str(tmp_path / "sft-model")

@@ -49,6 +49,10 @@ class Plan:
         """The GPU indices ``service`` takes on ``node``, sorted."""
         return tuple(sorted(g for p in self.placements if p.service == service and p.node == node for g in p.gpus))
 
+    def engine_nodes(self) -> list[int]:
+        """The node of each engine, engine 0 first (the router's ``[router.engine] nodes``)."""
+        return [p.node for p in self.placements if p.service == "router" and p.process.startswith("engine ")]
+
     def render(self, title: str) -> str:
         """The plan as a table, one line per process."""
         lines = [title]
@@ -182,6 +186,12 @@ def check_recipe(recipe: Recipe) -> list[str]:
     problems += refit_problems(learner.refit_every, learner.rollout.max_staleness, learner.max_steps)
     if recipe.launcher.sft_warmup and learner.sft is None:
         problems.append("[launcher] sft_warmup = true needs a [learner.sft] table with data_path")
+    pinned = recipe.router.engine.nodes
+    if pinned and recipe.launcher.nodes > 1:
+        problems.append(
+            f"router.engine.nodes = {pinned}: on a cluster of several nodes molt up places the engines by its "
+            "plan (molt plan shows it); leave router.engine.nodes unset"
+        )
     if recipe.launcher.nodes > 1 and recipe.launcher.ray_address is None:
         problems.append(
             f"[launcher] nodes = {recipe.launcher.nodes}: a local Ray head is one node; set [launcher] "

@@ -205,10 +205,13 @@ def connect_address(listen: str) -> str:
     return f"127.0.0.1:{port}" if host in ("", "0.0.0.0", "[::]", "::") else listen
 
 
-def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str | None) -> dict[str, Any]:
+def wire(
+    recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str | None, engine_nodes: list[int]
+) -> dict[str, Any]:
     """The effective recipe of a run: ``recipe``'s tables plus the launcher's wiring - the run
     directory, the embedded Redis, the Ray cluster, each client pointed at the address its server
-    listens on, and (with the SFT warm-up) every model path pointed at the SFT output."""
+    listens on, the planned node of each engine on a cluster of several nodes, and (with the SFT
+    warm-up) every model path pointed at the SFT output."""
     tables = apply_sets(recipe.tables, ())
     for name in ("run", *recipe.services):
         tables.setdefault(name, {})
@@ -220,6 +223,8 @@ def wire(recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str 
         tables["broadcaster"]["ray_address"] = ray_address
         if recipe.learner.placement == "ray":
             tables["learner"]["ray_address"] = ray_address
+    if recipe.launcher.nodes > 1:  # one node: Ray's own choice is the plan
+        tables["router"].setdefault("engine", {})["nodes"] = engine_nodes
     router = connect_address(recipe.router.listen)
     tables["broadcaster"]["router_address"] = router
     broadcaster = connect_address(recipe.broadcaster.listen)

@@ -154,7 +154,7 @@ class Launch:
         ray_address = self.recipe.launcher.ray_address or self._start_ray_head()
         self.state.redis_url = redis_url or self.recipe.learner.run.redis_url
         self.state.ray_address = ray_address
-        tables = wire(self.recipe, self.run_dir, redis_url, ray_address)
+        tables = wire(self.recipe, self.run_dir, redis_url, ray_address, self.plan.engine_nodes())
         self.config_path.write_text(to_toml(tables))
         resolved = resolve_services(tables, without=self.recipe.launcher.without)  # what each service loads
         snapshot = {

@@ -10,7 +10,9 @@ address; clients need ``RAY_ENV``).
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -30,6 +32,7 @@ __all__ = [
     "ServiceProcess",
     "free_port",
     "nest_rollout",
+    "ray_driver",
     "ray_head",
     "redis_client",
     "redis_server",
@@ -54,6 +57,16 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 # `ray start` turns token auth on; clients send the token (~/.ray/auth_token) only in token mode.
 # Ray's `uv run` hook would start every worker through `uv run`; molt's share this interpreter.
 RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "token"}
+
+
+def ray_driver(ray_address: str, body: str) -> str:
+    """Runs ``body`` in a Ray driver of its own connected to ``ray_address`` (the test process stays out of
+    Ray); returns its last output line."""
+    script = f"import json, ray\nray.init(address={ray_address!r}, logging_level='ERROR')\n{body}"
+    env = {**os.environ, **RAY_ENV}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
 
 @pytest.fixture(scope="session")

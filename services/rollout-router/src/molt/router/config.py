@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from molt.core.config import ServiceSettings
 
@@ -36,6 +36,15 @@ class EngineSettings(BaseModel):
             "requests of the router that left are aborted."
         ),
     )
+    nodes: list[int] = Field(
+        default_factory=list,
+        description=(
+            "The node each engine runs on, by index (engine i on nodes[i]): its placement group asks Ray for a "
+            "node labelled molt/node=<index> (`ray start --labels molt/node=<index>`, as recipes/slurm/molt.sbatch "
+            "labels each node of its allocation). Empty: wherever Ray finds room. `molt up` sets it from its "
+            "plan on a cluster of several nodes ([launcher] nodes > 1)."
+        ),
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments, passed through."
     )
@@ -56,6 +65,17 @@ class EngineSettings(BaseModel):
             "them, else counts."
         ),
     )
+
+    @model_validator(mode="after")
+    def _one_node_per_engine(self) -> EngineSettings:
+        if self.nodes and len(self.nodes) != self.engine_count:
+            raise ValueError(
+                f"nodes = {self.nodes} names {len(self.nodes)} node(s) for engine_count = {self.engine_count} "
+                "engines: give one node index per engine, or none"
+            )
+        if any(node < 0 for node in self.nodes):
+            raise ValueError(f"nodes = {self.nodes}: node indices start at 0")
+        return self
 
 
 class SamplingSettings(BaseModel):

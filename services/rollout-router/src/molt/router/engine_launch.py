@@ -4,7 +4,9 @@ Each engine is the Ray actor ``molt-<engine_id>`` in the run's namespace, in a
 placement group of its own (one CPU bundle on CPU; one GPU per tensor-parallel
 worker on GPU). A router finds a running one by that name and attaches to it
 (a detached engine outlives its router); otherwise it builds the engine's spec
-from ``[router.engine]`` and starts it.
+from ``[router.engine]`` and starts it. With ``[router.engine] nodes`` the group's
+bundles ask for the Ray node labelled ``molt/node=<index>`` (Ray's label selectors),
+so an engine runs on the node the launcher's plan gave it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from molt.router.config import RouterSettings
 from molt.router.engine_actor import EngineActor, EngineSpec
 
 log = logging.getLogger(__name__)
+
+# The Ray node label naming a node's index in a molt cluster: node 0 runs the launcher and the learner.
+NODE_LABEL = "molt/node"
 
 # Engine arguments molt sets itself (overriding them would break logprob exactness or the refit hook)
 # or that have their own [router.engine] setting.
@@ -61,6 +66,34 @@ def check_engine_args(settings: RouterSettings, use_gpu: bool) -> None:
         )
 
 
+def check_engine_nodes(settings: RouterSettings, use_gpu: bool) -> None:
+    """Refuses ``[router.engine] nodes`` that no live Ray node can hold: the engine's placement group
+    would wait forever for a node labelled ``molt/node=<index>`` with room for it."""
+    engine = settings.engine
+    gpus = engine.tensor_parallel_size if use_gpu else 0
+    labelled: dict[str, dict[str, float]] = {}
+    for node in ray.nodes():
+        index = node.get("Labels", {}).get(NODE_LABEL)
+        if node.get("Alive") and index is not None:
+            labelled[index] = node.get("Resources", {})
+    problems = []
+    for index in sorted(set(engine.nodes)):
+        resources = labelled.get(str(index))
+        if resources is None:
+            problems.append(f"no live Ray node is labelled {NODE_LABEL}={index}")
+        elif resources.get("CPU", 0) < 1 or resources.get("GPU", 0) < gpus:
+            problems.append(
+                f"the Ray node labelled {NODE_LABEL}={index} registers {resources.get('CPU', 0):g} CPUs and "
+                f"{resources.get('GPU', 0):g} GPUs; an engine needs 1 CPU and {gpus} GPUs"
+            )
+    if problems:
+        raise ConfigError(
+            f"router.engine.nodes = {engine.nodes}: " + "; ".join(problems) + f" (Ray nodes carry their index as "
+            f"`ray start --labels {NODE_LABEL}=<index>`; recipes/slurm/molt.sbatch labels each node it starts; "
+            f"labelled nodes: {sorted(labelled)})"
+        )
+
+
 def group_name(namespace: str, engine_id: str) -> str:
     return f"{namespace}-{engine_id}"
 
@@ -92,10 +125,10 @@ def engine_spec(settings: RouterSettings, engine_id: str, use_gpu: bool) -> Engi
     )
 
 
-def start_or_attach(
-    settings: RouterSettings, namespace: str, engine_id: str, use_gpu: bool, policy_version: int
-) -> Any:
-    """The actor of engine ``engine_id``: the running one of its name, else a new one at ``policy_version``."""
+def start_or_attach(settings: RouterSettings, namespace: str, index: int, use_gpu: bool, policy_version: int) -> Any:
+    """The actor of engine ``index`` (``engine-<index>``): the running one of its name, else a new one at
+    ``policy_version``, on node ``[router.engine] nodes[index]`` when nodes are given."""
+    engine_id = f"engine-{index}"
     name = f"molt-{engine_id}"
     try:
         actor = ray.get_actor(name, namespace=namespace)
@@ -116,7 +149,15 @@ def start_or_attach(
     # A detached engine's group is detached too: Ray removes a job's groups, and the actors in them,
     # when the job (this router) ends.
     lifetime = "detached" if engine.detached else None
-    group = placement_group(bundles, strategy="PACK", name=group_name(namespace, engine_id), lifetime=lifetime)
+    # Every bundle on the planned node: an engine's tensor-parallel workers share one node.
+    selector = [{NODE_LABEL: str(engine.nodes[index])}] * len(bundles) if engine.nodes else None
+    group = placement_group(
+        bundles,
+        strategy="PACK",
+        name=group_name(namespace, engine_id),
+        lifetime=lifetime,
+        bundle_label_selector=selector,
+    )
     remote_cls = ray.remote(EngineActor)
     return remote_cls.options(  # type: ignore[attr-defined]
         name=name,

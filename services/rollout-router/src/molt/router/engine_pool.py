@@ -26,7 +26,7 @@ from molt.router import metrics
 from molt.router.config import RouterSettings
 from molt.router.data_channel import Chunk, EngineLinks, Failure, Submission
 from molt.router.engine_actor import EngineInfo
-from molt.router.engine_launch import check_engine_args, start_or_attach, stop_engines
+from molt.router.engine_launch import check_engine_args, check_engine_nodes, start_or_attach, stop_engines
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 
@@ -82,10 +82,11 @@ class EnginePool:
         engine = self.settings.engine
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         check_engine_args(self.settings, use_gpu)
+        if engine.nodes:
+            check_engine_nodes(self.settings, use_gpu)
         for index in range(engine.engine_count):
-            engine_id = f"engine-{index}"
             version = self.policy_version
-            self.actors[engine_id] = start_or_attach(self.settings, self.namespace, engine_id, use_gpu, version)
+            self.actors[f"engine-{index}"] = start_or_attach(self.settings, self.namespace, index, use_gpu, version)
         infos = await asyncio.gather(*(actor.start.remote() for actor in self.actors.values()))
         self.infos = {info.engine_id: info for info in infos}
         limits = {(i.vocab_size, i.max_model_len) for i in infos}
