@@ -16,7 +16,7 @@ from molt.core.weightsync import TensorMeta, tensor_checksum
 
 def test_the_ipc_group_refuses_a_cpu_device() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        open_weight_group("127.0.0.1", 1, 0, 2, backend=IPC_BACKEND, generation=0, device=torch.device("cpu"))
+        open_weight_group(IPC_BACKEND, "127.0.0.1", 1, 0, 2, generation=0, device=torch.device("cpu"))
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 def receive(port: int, metas: list[TensorMeta], bucket_bytes: int, transfers: int, out: multiprocessing.Queue) -> None:
     group = open_weight_group(
-        "127.0.0.1", port, 1, 2, backend=IPC_BACKEND, generation=3, device=torch.device("cuda", 0), timeout_s=60
+        IPC_BACKEND, "127.0.0.1", port, 1, 2, generation=3, device=torch.device("cuda", 0), timeout_s=60
     )
     for _ in range(transfers):
         out.put({meta.name: tensor_checksum(tensor) for meta, tensor in group.receive(metas, bucket_bytes)})
@@ -53,7 +53,7 @@ def test_buckets_cross_to_another_process_on_the_same_gpu_bit_for_bit() -> None:
     receiver.start()
     try:
         sender = open_weight_group(
-            "127.0.0.1", port, 0, 2, backend=IPC_BACKEND, generation=3, device=torch.device("cuda", 0), timeout_s=60
+            IPC_BACKEND, "127.0.0.1", port, 0, 2, generation=3, device=torch.device("cuda", 0), timeout_s=60
         )
         for state in (first, second):
             assert sender.send(metas, {name: t.cuda() for name, t in state.items()}, bucket_bytes) >= 3

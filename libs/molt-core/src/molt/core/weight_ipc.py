@@ -136,40 +136,9 @@ def _on_device(args: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
     return (*args[:6], index, *args[7:])
 
 
-def open_weight_group(
-    store_host: str,
-    store_port: int,
-    rank: int,
-    world_size: int,
-    *,
-    backend: str,
-    generation: int,
-    device: torch.device,
-    timeout_s: float = 600.0,
-    join_timeout_s: float | None = None,
-    ready_key: str = "",
-) -> WeightGroup | IpcWeightGroup:
-    """The weight group for ``backend``: ``cuda_ipc`` (one GPU, colocated), else a process group (nccl, gloo)."""
+def open_weight_group(backend: str, *args: Any, join_timeout_s: float | None = None, **kwargs: Any) -> Any:
+    """The weight group for ``backend``: ``cuda_ipc`` (one GPU, colocated) or a process group (nccl,
+    gloo), built from the same arguments (``WeightGroup``'s; ``join_timeout_s`` bounds gloo's rendezvous)."""
     if backend == IPC_BACKEND:
-        return IpcWeightGroup(
-            store_host,
-            store_port,
-            rank,
-            world_size,
-            generation=generation,
-            device=device,
-            timeout_s=timeout_s,
-            ready_key=ready_key,
-        )
-    return WeightGroup(
-        store_host,
-        store_port,
-        rank,
-        world_size,
-        backend=backend,
-        generation=generation,
-        device=device,
-        timeout_s=timeout_s,
-        join_timeout_s=join_timeout_s,
-        ready_key=ready_key,
-    )
+        return IpcWeightGroup(*args, **kwargs)
+    return WeightGroup(*args, backend=backend, join_timeout_s=join_timeout_s, **kwargs)

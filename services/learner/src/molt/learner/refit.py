@@ -288,11 +288,11 @@ class WeightPublisher:
                 torch.device("cuda", torch.cuda.current_device()) if go["backend"] != "gloo" else torch.device("cpu")
             )
             self.group = open_weight_group(
+                go["backend"],
                 self.host,
                 self.port,
                 0,
                 go["world_size"],
-                backend=go["backend"],
                 generation=go["generation"],
                 device=device,
                 timeout_s=self.settings.refit_timeout_s,

@@ -90,11 +90,11 @@ class WeightReceiver:
         device = torch.device("cpu") if backend == "gloo" else torch.device(self.device)
         rank = first_rank + int(getattr(self, "rank", 0))
         group = open_weight_group(
+            backend,
             host,
             port,
             rank,
             world_size,
-            backend=backend,
             generation=generation,
             device=device,
             timeout_s=timeout_s,
