@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.core.tiny_model import HEAD_DIM, MARKUP_TOKENS, SPECIAL_TOKENS, build, build_tokenizer
+from molt.core.tiny_model import EXPERTS, HEAD_DIM, MARKUP_TOKENS, SPECIAL_TOKENS, TOP_K, build, build_tokenizer, main
 
 
 def digest(path: Path) -> str:
@@ -85,6 +85,30 @@ def test_other_architectures_and_an_untied_head(tmp_path: Path, arch: str, tied:
 def test_an_unknown_architecture_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown architecture 'gpt2'"):
         build(tmp_path / "m", arch="gpt2")
+
+
+def test_the_moe_model_is_deterministic_and_sparse_in_every_layer(tmp_path: Path) -> None:
+    """``--moe``: Qwen3-MoE, 2 layers of 8 experts, top-2 renormalised, the dense model's tokenizer,
+    saved per expert (the checkpoint layout vLLM loads); the same seed gives the same bytes."""
+    main(["--moe", "--seed", "3", "--out", str(tmp_path / "a")])
+    a, b = tmp_path / "a", build(tmp_path / "b", seed=3, arch="qwen3", moe=True)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert digest(a / name) == digest(b / name), name
+    model = AutoModelForCausalLM.from_pretrained(a)
+    config = model.config
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and config.model_type == "qwen3_moe"
+    assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (2, 128, HEAD_DIM)
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (EXPERTS, TOP_K, True)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["Qwen3MoeSparseMoeBlock"] * 2
+    assert AutoTokenizer.from_pretrained(a).get_vocab() == build_tokenizer().get_vocab()
+    names = checkpoint_names(a)
+    assert f"model.layers.1.mlp.experts.{EXPERTS - 1}.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate.weight" in names
+
+
+def test_an_architecture_without_a_moe_sibling_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown mixture-of-experts architecture 'llama'"):
+        build(tmp_path / "m", arch="llama", moe=True)
 
 
 def checkpoint_names(path: Path) -> set[str]:

@@ -38,6 +38,7 @@ __all__ = [
     "redis_server",
     "scrape",
     "tiny_model",
+    "tiny_moe_model",
 ]
 
 
@@ -91,6 +92,12 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model and tokenizer (seed 0), built once per test session."""
     return build(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE model (``molt-tiny-model --moe``, seed 0), built once per test session."""
+    return build(tmp_path_factory.mktemp("models") / "tiny-moe", seed=0, arch="qwen3", moe=True)
 
 
 @pytest.fixture(scope="session")

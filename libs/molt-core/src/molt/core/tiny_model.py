@@ -7,6 +7,8 @@ template's special tokens (``<|im_start|>``, ``<|im_end|>``, tool tags) are
 single tokens. Nothing is downloaded; the layout is ``save_pretrained``'s.
 The default is a Qwen2 model with a tied head; ``--arch`` picks another
 architecture (``ARCHITECTURES``) and ``--untied`` gives the head its own weights.
+``--moe`` builds a mixture-of-experts sibling instead (``MOE_ARCHITECTURES``:
+Qwen3-MoE, every layer sparse, ``EXPERTS`` experts, ``TOP_K`` per token).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 HEAD_DIM = 64
@@ -44,6 +48,12 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] =
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
 }
+# Their mixture-of-experts siblings (--moe): the architecture whose name has none builds no MoE model.
+MOE_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "qwen3": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+}
+EXPERTS = 8
+TOP_K = 2
 
 # ChatML (rendered with trim_blocks, so newlines right after a tag are written as
 # expressions). The first system message (and the tool list) opens the prompt; tool
@@ -98,15 +108,41 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def model_classes(arch: str, moe: bool) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
+    """The config and model classes of ``arch`` (its MoE sibling with ``moe``); a ``ValueError`` naming
+    the choices for an architecture it does not build."""
+    table = MOE_ARCHITECTURES if moe else ARCHITECTURES
+    if arch not in table:
+        kind = "mixture-of-experts architecture" if moe else "architecture"
+        raise ValueError(f"unknown {kind} {arch!r}; choose one of {sorted(table)}")
+    return table[arch]
+
+
 def build_config(
-    vocab_size: int, hidden_size: int, layers: int, max_positions: int, arch: str = "qwen2", tied: bool = True
+    vocab_size: int,
+    hidden_size: int,
+    layers: int,
+    max_positions: int,
+    arch: str = "qwen2",
+    tied: bool = True,
+    moe: bool = False,
 ) -> PretrainedConfig:
     heads = hidden_size // HEAD_DIM
     if heads < 1 or hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
-    config_class, _ = ARCHITECTURES[arch]
+    config_class, _ = model_classes(arch, moe)
+    # Each expert as wide as the hidden size; the top-k weights renormalised to sum to 1, as Qwen3-MoE
+    # checkpoints set norm_topk_prob, so replay has that branch to reproduce.
+    experts = (
+        {
+            "num_experts": EXPERTS,
+            "num_experts_per_tok": TOP_K,
+            "moe_intermediate_size": hidden_size,
+            "norm_topk_prob": True,
+        }
+        if moe
+        else {}
+    )
     return config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -119,6 +155,7 @@ def build_config(
         rope_theta=10000.0,
         tie_word_embeddings=tied,
         torch_dtype="float32",
+        **experts,
     )
 
 
@@ -130,18 +167,19 @@ def build(
     max_positions: int = 2048,
     arch: str = "qwen2",
     tied: bool = True,
+    moe: bool = False,
 ) -> Path:
     """Writes model + tokenizer to ``out``; the same arguments give byte-identical weights."""
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = max_positions
     # Round the embedding up to a multiple of 64 (kernel-friendly); the tail rows are never produced.
     vocab_size = -(-len(tokenizer) // 64) * 64
-    config = build_config(vocab_size, hidden_size, layers, max_positions, arch, tied)
+    config = build_config(vocab_size, hidden_size, layers, max_positions, arch, tied, moe)
     config.eos_token_id = tokenizer.convert_tokens_to_ids(IM_END)
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
     torch.manual_seed(seed)
-    model = ARCHITECTURES[arch][1](config).to(torch.float32)
+    model = model_classes(arch, moe)[1](config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TEXT)],
         pad_token_id=config.pad_token_id,
@@ -159,12 +197,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=128, help=f"hidden size, a multiple of {HEAD_DIM}")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--max-positions", type=int, default=2048, help="context length")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2", help="model architecture")
-    parser.add_argument("--untied", action="store_true", help="give the output head weights of its own")
-    args = parser.parse_args(argv)
-    path = build(
-        args.out, args.seed, args.hidden_size, args.layers, args.max_positions, arch=args.arch, tied=not args.untied
+    parser.add_argument(
+        "--arch", choices=sorted(ARCHITECTURES), help="model architecture (default: qwen2; qwen3 with --moe)"
     )
+    parser.add_argument("--untied", action="store_true", help="give the output head weights of its own")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"a mixture-of-experts model: {EXPERTS} experts, top-{TOP_K}, every layer sparse",
+    )
+    args = parser.parse_args(argv)
+    arch = args.arch or ("qwen3" if args.moe else "qwen2")
+    try:
+        path = build(
+            args.out, args.seed, args.hidden_size, args.layers, args.max_positions, arch, not args.untied, args.moe
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     sys.stdout.write(f"wrote tiny model to {path}\n")
 
 
