@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt.core.errors import ConfigError
 from molt.core.tiny_model import build
 from molt.learner.batch import StepBatch, assemble, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.logprobs import token_logprobs
 from molt.learner.objective import gae_targets, step_advantages
 from molt.learner.packing import pack
+from molt.learner.routing import moe_routers
 from molt.learner.synthetic import step_batch
 from molt.learner.trainer import Trainer, lr_factor
 
@@ -60,6 +62,24 @@ def test_loss_on_a_fixed_batch_falls_and_parameters_move(learner_settings: Setti
     assert len(moved) == len(initial_params)
     assert trainer.step == 4 and metrics["grad_norm"] > 0
     assert metrics["samples"] == 8 and metrics["reward/mean"] == 0.4375
+
+
+def test_a_frozen_router_stays_put_while_the_experts_train(
+    learner_settings: SettingsFactory, tiny_moe_model: Path
+) -> None:
+    trainer = Trainer(learner_settings(model_path=tiny_moe_model, freeze_router=True))
+    before = params(trainer)
+    trainer.train_step(fixed_batch())
+    after = params(trainer)
+    routers = {f"model.layers.{layer}.mlp.gate.weight" for layer in moe_routers(trainer.model)}
+    assert routers == {n for n in before if n.endswith("mlp.gate.weight")} and len(routers) == 2
+    assert all(torch.equal(before[n], after[n]) for n in routers)
+    assert all(not torch.equal(before[n], after[n]) for n in before if n not in routers)
+
+
+def test_freezing_the_router_of_a_dense_model_is_refused(learner_settings: SettingsFactory) -> None:
+    with pytest.raises(ConfigError, match="no mixture-of-experts blocks"):
+        Trainer(learner_settings(freeze_router=True))
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "prompt_mean_token_mean"])

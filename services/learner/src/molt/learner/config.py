@@ -170,6 +170,11 @@ class LearnerSettings(ServiceSettings):
         "picked token, entropy fused): fewer kernels and float32 passes over the vocabulary; the first steps (and "
         "new shapes) pay the compile.",
     )
+    freeze_router: bool = Field(
+        False,
+        description="Mixture-of-experts policy: no gradient reaches the routers (the gate weights that pick "
+        "each token's experts); the experts and everything else still train. Refused for a dense model.",
+    )
     micro_batch_layout: Literal["auto", "packed", "padded"] = Field(
         "auto",
         description="padded (auto): one sequence per row, plain causal attention (flash kernels on GPU); packed: "

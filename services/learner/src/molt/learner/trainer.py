@@ -45,6 +45,7 @@ from molt.learner.objective import (
 )
 from molt.learner.packing import Layout, Packed, layout_of, plan, resolve_layout
 from molt.learner.ranks import SINGLE, RankInfo, device_for, to_device
+from molt.learner.routing import freeze_router
 
 log = logging.getLogger(__name__)
 # (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
@@ -86,6 +87,8 @@ class Trainer:
         self.layout: Layout = resolve_layout(settings.micro_batch_layout)
         load = functools.partial(load_policy, device=self.device, backend=self.backend, dtype=settings.param_dtype)
         self.model = load(settings.model_path, trainable=True)
+        if settings.freeze_router:  # before sharding and the optimizer: both see which weights train
+            log.info("router frozen", extra={"parameters": freeze_router(self.model)})
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_length: int | None = settings.max_sequence_tokens or model_context(self.model.config)
         dtype = str(next(self.model.parameters()).dtype)
