@@ -38,7 +38,7 @@ SERVICES = [
         "agent_pool",
         "AgentPoolSettings",
         "agent_pool",
-        'agent = "arithmetic.py:ArithmeticEnv"\nprompts_path = "prompts.jsonl"\ntokenizer_path = "models/tiny"',
+        'agent = "arithmetic.py:ArithmeticEnv"\ndata = { path = "prompts.jsonl" }\ntokenizer_path = "models/tiny"',
         "groups_in_flight",
     ),
     Service("learner", "LearnerSettings", "learner", 'model_path = "models/tiny"', "checkpoint_every"),

@@ -57,8 +57,10 @@ def log_records(path: Path) -> list[dict[str, object]]:
     return records
 
 
-def molt_up_args(run_dir: Path, run_id: str, tiny_model: Path, redis_url: str, extra: dict[str, str]) -> list[str]:
-    """``molt up recipes/tiny-cpu.toml`` on the test's Redis and tiny model, shortened, with ``extra`` sets."""
+def molt_up_args(
+    run_dir: Path, run_id: str, tiny_model: Path, redis_url: str, extra: dict[str, str], recipe: str = "tiny-cpu"
+) -> list[str]:
+    """``molt up recipes/<recipe>.toml`` on the test's Redis and tiny model, shortened, with ``extra`` sets."""
     sets = {
         "run.run_id": f'"{run_id}"',
         "run.redis_url": f'"{redis_url}"',
@@ -74,7 +76,7 @@ def molt_up_args(run_dir: Path, run_id: str, tiny_model: Path, redis_url: str, e
         sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
     sets["agent_pool.http_listen"] = f'"127.0.0.1:{free_port()}"'
     molt = str(Path(sys.executable).parent / "molt")
-    args = [molt, "up", str(REPO / "recipes/tiny-cpu.toml"), "--run-dir", str(run_dir)]
+    args = [molt, "up", str(REPO / f"recipes/{recipe}.toml"), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
     return args
@@ -110,6 +112,24 @@ def check_accounting(redis_client: redis.Redis, run_id: str, run_dir: Path, step
     assert remaining and max(sampled_versions) >= 1
 
 
+def run_to_the_end(args: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "molt-up.log"
+    with out.open("wb") as sink:
+        code = subprocess.run(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=1100).returncode
+    assert code == 0, log_tail(out, 60)
+
+
+def trained_and_published(run_dir: Path, every: int) -> tuple[list[dict[str, object]], list[int]]:
+    """Checks that the learner trained STEPS steps and the broadcaster published a refit at version 0,
+    after every ``every``-th step and after the last; returns those records and versions."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    published = [r for r in log_records(run_dir / "logs" / "broadcaster.log") if r.get("message") == "refit published"]
+    versions = sorted({*range(0, STEPS + 1, every), STEPS})  # every ``every``-th step, and the last
+    assert [r["version"] for r in published] == versions
+    return published, versions
+
+
 @pytest.mark.parametrize("every", [1, 3], ids=["refit-every-step", "refit-every-3rd-step"])
 def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
     tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, every: int
@@ -122,21 +142,13 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
         "learner.refit_probe_every": "2",  # probed refits and unprobed ones (the recipe probes every 10th)
         **cadence(every),
     }
-    args = molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra)
-    out = tmp_path / "molt-up.log"
-    with out.open("wb") as sink:
-        code = subprocess.run(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=1100).returncode
-    assert code == 0, log_tail(out, 60)
+    run_to_the_end(molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra), tmp_path)
 
     # The learner trained STEPS steps; the engines were refitted before the first (the learner's weights
     # as they are, version 0), after every ``every``-th one and after the last, each refit validated (a
     # refit is published only when coverage and checksums hold; the probe where it ran).
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    published, versions = trained_and_published(run_dir, every)
     broadcaster = log_records(run_dir / "logs" / "broadcaster.log")
-    published = [r for r in broadcaster if r.get("message") == "refit published"]
-    versions = sorted({*range(0, STEPS + 1, every), STEPS})  # every ``every``-th step, and the last
-    assert [r["version"] for r in published] == versions
     probed = [r for r in published if r["probe_max_abs_diff"] is not None]
     assert [r["version"] for r in probed] == versions[::2]  # the 1st, 3rd, ... refit
     assert all(float(r["probe_max_abs_diff"]) < 1e-3 for r in probed)  # type: ignore[arg-type]
@@ -145,6 +157,37 @@ def test_molt_up_trains_refits_and_accounts_for_every_trajectory(
     assert stored["version"] == versions[-1]
     assert (run_dir / "reward.png").stat().st_size > 0
     check_accounting(redis_client, run_id, run_dir, STEPS, versions[-1])
+
+
+def test_the_math_recipe_trains_on_its_parquet_and_evaluates_on_its_jsonl(
+    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """``molt up recipes/tiny-math-cpu.toml`` shortened: the math Env graded by math-verify, the training
+    problems read from parquet and the held-out ones from JSONL through the dataset loader. Checked: the
+    learner's steps, a validated refit after each 3rd and the last, the rewards the grader gives (0 or 1),
+    the pool's place in the training set kept in Redis, a held-out pass over every JSONL row at the start
+    and at the stop, and no trajectory lost or counted twice."""
+    run_id = "e2e-math"
+    run_dir = tmp_path / "run"
+    extra = {
+        "learner.max_steps": str(STEPS),
+        "learner.checkpoint_every": "2",
+        "agent_pool.eval.enabled": "true",
+        "agent_pool.eval.samples_per_prompt": "1",
+        **cadence(3),
+    }
+    run_to_the_end(molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra, "tiny-math-cpu"), tmp_path)
+    _, versions = trained_and_published(run_dir, 3)
+    check_accounting(redis_client, run_id, run_dir, STEPS, versions[-1])
+    rewards = set()
+    for _, fields in redis_client.xrange(f"molt:{run_id}:trajectories"):
+        rewards.update(t.reward for t in common_pb2.TrajectoryGroup.FromString(fields[b"group"]).trajectories)
+    assert rewards <= {0.0, 1.0}  # math-verify's verdict; no format reward in this recipe
+    kept = json.loads(redis_client.hget(f"molt:{run_id}:data-position", "recipes/data/tiny-math-train.parquet@train"))
+    assert kept["rows"] == 900 and kept["next"] >= STEPS * 4  # at least the groups of every step, consumed
+    passes = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [p["policy_version"] for p in passes] == [0, versions[-1]]
+    assert all(p["episodes"] + p["failed"] == 100 and p["failed"] == 0 for p in passes)
 
 
 def newest_step(run_dir: Path) -> int:

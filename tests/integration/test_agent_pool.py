@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from molt.agent_pool import metrics
 from molt.agent_pool.agents import Env, Message, Prompt, StepResult, load_agent
 from molt.agent_pool.config import AgentPoolSettings, EvalSettings
+from molt.agent_pool.dataset import load_prompts
 from molt.agent_pool.episodes import TurnLimits, env_runner
 from molt.agent_pool.evaluation import Evaluator
 from molt.agent_pool.pool import RolloutPool
@@ -64,7 +65,7 @@ def settings(tmp_path: Path, router: Any, redis_url: str, **overrides: Any) -> A
         "run": {"run_id": RUN, "redis_url": redis_url, "run_dir": str(tmp_path)},
         "router_address": router.address,
         "agent": f"{REPO}/recipes/agents/arithmetic.py:ArithmeticEnv",
-        "prompts_path": REPO / "recipes/data/arithmetic-train.jsonl",
+        "data": {"path": f"{REPO}/recipes/data/arithmetic-train.jsonl"},
         "tokenizer_path": router.model_path,
         "group_size": 3,
         "groups_in_flight": 2,
@@ -72,6 +73,10 @@ def settings(tmp_path: Path, router: Any, redis_url: str, **overrides: Any) -> A
         "metrics_port": 0,
     }
     return AgentPoolSettings(**nest_rollout(values | overrides))
+
+
+def train_prompts(cfg: AgentPoolSettings) -> PromptSource:
+    return PromptSource(load_prompts(cfg.data.path, cfg.data.split))
 
 
 def bump_router_version(address: str, by: int = 1) -> int:
@@ -87,7 +92,7 @@ def bump_router_version(address: str, by: int = 1) -> int:
 def eval_prompts(tmp_path: Path, count: int) -> Path:
     """The first ``count`` held-out arithmetic prompts (a small eval set keeps the passes quick)."""
     lines = (REPO / "recipes/data/arithmetic-test.jsonl").read_text().splitlines()[:count]
-    path = tmp_path / "eval.jsonl.in"
+    path = tmp_path / "held-out.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -106,9 +111,10 @@ def test_service_queues_token_exact_groups(
         f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_server.url}"\nrun_dir = "{tmp_path}"\n'
         "[rollout]\ngroup_size = 3\n[agent_pool]\n"
         f'listen = "{cfg.listen}"\nhttp_listen = "127.0.0.1:{http_port}"\nmetrics_port = {metrics_port}\n'
-        f'router_address = "{cfg.router_address}"\nagent = "{cfg.agent}"\nprompts_path = "{cfg.prompts_path}"\n'
+        f'router_address = "{cfg.router_address}"\nagent = "{cfg.agent}"\n'
         f'tokenizer_path = "{cfg.tokenizer_path}"\nmax_tokens = 24\nautostart = false\n'
-        f'[agent_pool.eval]\nenabled = true\ndata_path = "{eval_prompts(tmp_path, 4)}"\nsamples_per_prompt = 2\n'
+        f'[agent_pool.data]\npath = "{cfg.data.path}"\n'
+        f'[agent_pool.eval]\nenabled = true\npath = "{eval_prompts(tmp_path, 4)}"\nsamples_per_prompt = 2\n'
     )
     service = ServiceProcess(
         [sys.executable, "-m", "molt.agent_pool", "--config", str(recipe)],
@@ -161,7 +167,7 @@ def test_service_queues_token_exact_groups(
     assert metric("molt_agent_pool_front_requests_total", api="openai", status="404") == 1
 
     tokenizer = AutoTokenizer.from_pretrained(router.model_path)
-    prompts = {p["id"]: p for p in PromptSource(cfg.prompts_path).prompts}
+    prompts = {p["id"]: p for p in load_prompts(cfg.data.path, "train").all()}
     entries = TrajectoryQueue(redis_client, RUN, consumer="check").read(count=10)
     assert len(entries) == 3  # evaluation episodes are never queued
     for entry in entries:
@@ -255,7 +261,7 @@ def run_pool(cfg: AgentPoolSettings, env: type[Env], router: Any, client: redis.
         rc = RouterClient(router.address)
         info = await rc.info()
         runner = env_runner(env, tokenizer, rc, TurnLimits(cfg.max_tokens, info.max_model_len))
-        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), TrajectoryQueue(client, RUN), lambda: 0)
+        pool = RolloutPool(cfg, runner, train_prompts(cfg), TrajectoryQueue(client, RUN), lambda: 0)
         pool.start(max_groups=groups)
         await asyncio.wait_for(pool.wait_idle(), 300)
         await rc.close()
@@ -310,8 +316,9 @@ def test_eval_runs_at_start_on_version_multiples_and_at_stop(tmp_path: Path, rou
     assert issubclass(arithmetic, Env)
     out = tmp_path / "eval.jsonl"
     eval_settings = EvalSettings(
-        enabled=True, data_path=eval_prompts(tmp_path, 2), every_versions=2, samples_per_prompt=2
+        enabled=True, path=str(eval_prompts(tmp_path, 2)), every_versions=2, samples_per_prompt=2
     )
+    held_out = load_prompts(str(eval_prompts(tmp_path, 2)), "test").all()
 
     async def until(condition: Any, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -325,7 +332,7 @@ def test_eval_runs_at_start_on_version_multiples_and_at_stop(tmp_path: Path, rou
         start = await watch.refresh()
         watch.task = asyncio.create_task(watch.run())
         runner = env_runner(arithmetic, AutoTokenizer.from_pretrained(router.model_path), client, TurnLimits(8, 512))
-        evaluator = Evaluator(eval_settings, runner, watch, out, episode_timeout_s=60, max_concurrent=8)
+        evaluator = Evaluator(eval_settings, held_out, runner, watch, out, episode_timeout_s=60, max_concurrent=8)
         evaluator.start()
         await until(lambda: len(evaluator.results) == 1)
         await asyncio.to_thread(bump_router_version, router.address, 2)  # crosses a multiple of 2
@@ -354,7 +361,7 @@ def test_calculator_env_through_the_pool(
     calculator = load_agent(f"{REPO}/recipes/agents/calculator.py:CalculatorEnv")
     assert issubclass(calculator, Env)
     cfg = settings(
-        tmp_path, router, redis_server.url, group_size=2, prompts_path=REPO / "recipes/data/calculator-train.jsonl"
+        tmp_path, router, redis_server.url, group_size=2, data={"path": f"{REPO}/recipes/data/calculator-train.jsonl"}
     )
     pool = run_pool(cfg, calculator, router, redis_client, groups=1)
     assert pool.stats.queued_groups == 1 and not pool.stats.failed_episodes
@@ -413,7 +420,7 @@ def test_staleness_holds_groups_back_until_the_router_reaches_their_version(
         await asyncio.to_thread(bump_router_version, router.address, 2)  # a run under way: version > 1
         base = await watch.refresh()
         await asyncio.to_thread(fresh_queue, queue, 1)
-        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
+        pool = RolloutPool(cfg, runner, train_prompts(cfg), queue, watch, watch.wait_newer)
         pool.start(max_groups=3)
         await asyncio.sleep(1.0)
         assert (pool.stats.start_version, pool.stats.backlog_groups) == (base, 1)
@@ -443,7 +450,7 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         base = await watch.refresh()
         await asyncio.to_thread(fresh_queue, queue)
 
-        pool = RolloutPool(cfg, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
+        pool = RolloutPool(cfg, runner, train_prompts(cfg), queue, watch, watch.wait_newer)
         pool.start(max_groups=4)
         await started_groups(pool, 1, 60)
         await asyncio.sleep(1.0)
@@ -458,7 +465,7 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         dropping = cfg.model_copy(
             update={"filter": cfg.filter.model_copy(update={"enabled": True, "low": 1.0, "high": 2.0})}
         )
-        pool = RolloutPool(dropping, runner, PromptSource(cfg.prompts_path), queue, watch, watch.wait_newer)
+        pool = RolloutPool(dropping, runner, train_prompts(cfg), queue, watch, watch.wait_newer)
         pool.start(max_groups=4)
         await started_groups(pool, 4, 120)  # each filtered group lets the next one start
         await pool.wait_idle()
@@ -467,3 +474,62 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         await rc.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_pool_continues_the_dataset_where_it_was(
+    tmp_path: Path, router: Any, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Six prompts in file order, four groups a run: the first run takes rows 1-4; the pool is stopped and
+    started again, and the second run takes rows 5 and 6, then rows 1 and 2 of the second epoch, not
+    rows 1-4 again. The place is read back from the run's Redis, where each group's end wrote it."""
+    lines = (REPO / "recipes/data/arithmetic-test.jsonl").read_text().splitlines()[:6]
+    data = tmp_path / "six.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    ids = [json.loads(line)["id"] for line in lines]
+    port, metrics_port = free_port(), free_port()
+    recipe = tmp_path / "pool.toml"
+    recipe.write_text(
+        f'[run]\nrun_id = "{RUN}"\nredis_url = "{redis_server.url}"\nrun_dir = "{tmp_path}"\n'
+        "[rollout]\ngroup_size = 2\n[agent_pool]\n"
+        f'listen = "127.0.0.1:{port}"\nhttp_listen = "127.0.0.1:{free_port()}"\nmetrics_port = {metrics_port}\n'
+        f'router_address = "{router.address}"\nagent = "{REPO}/recipes/agents/arithmetic.py:ArithmeticEnv"\n'
+        f'tokenizer_path = "{router.model_path}"\nmax_tokens = 8\nautostart = false\n'
+        f'[agent_pool.data]\npath = "{data}"\nshuffle = false\n'
+    )
+    queue = TrajectoryQueue(redis_client, RUN, consumer="check")  # on a database flushed for this test
+
+    def one_run(until_next: int) -> tuple[list[str], dict[str, Any], float]:
+        service = ServiceProcess(
+            [sys.executable, "-m", "molt.agent_pool", "--config", str(recipe)],
+            f"127.0.0.1:{port}",
+            tmp_path / "pool.log",
+            service="molt.v1.AgentPoolService",
+        )
+        service.start(timeout_s=120)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = agent_pool_pb2_grpc.AgentPoolServiceStub(channel)
+                assert stub.StartRollouts(agent_pool_pb2.StartRolloutsRequest(max_group_count=4), timeout=10).started
+                kept: dict[str, Any] = {}
+                deadline = time.monotonic() + 180
+                while time.monotonic() < deadline:  # every group ended, and its end was written down
+                    raw = redis_client.hget(f"molt:{RUN}:data-position", f"{data}@train")
+                    kept = json.loads(raw) if raw else {}
+                    if kept.get("next") == until_next and len(queue.client.xrange(queue.keys.stream)) == 4:
+                        break
+                    time.sleep(0.2)
+            epoch = scrape(metrics_port)[("molt_agent_pool_data_epoch", ())]
+        finally:
+            assert service.stop() == 0
+        entries = queue.read(count=10)
+        queue.ack([entry.entry_id for entry in entries])
+        return sorted(entry.group.prompt_id for entry in entries), kept, epoch
+
+    assert one_run(4) == (
+        sorted(ids[:4]),
+        {"next": 4, "epoch": 0, "position": 4, "rows": 6, "shuffle": False, "seed": 0},
+        0,
+    )
+    second, kept, epoch = one_run(8)
+    assert second == sorted([*ids[4:], *ids[:2]])  # where the first run stopped, then the next epoch
+    assert (kept["next"], kept["epoch"], kept["position"], epoch) == (8, 1, 2, 1)

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from molt.agent_pool.agents import AgentResult, ChatAgent, Prompt, load_agent
 from molt.agent_pool.config import AgentPoolSettings
+from molt.agent_pool.dataset import load_prompts
 from molt.agent_pool.episodes import TurnLimits, chat_runner
 from molt.agent_pool.front import ChatFront, start_front
 from molt.agent_pool.pool import RolloutPool
@@ -433,7 +434,7 @@ def run_chat_pool(
         run={"run_id": "front-test", "redis_url": redis_url},
         router_address=router.address,
         agent=f"{REPO}/recipes/agents/openai_agent.py:OpenAIArithmetic",
-        prompts_path=REPO / "recipes/data/arithmetic-train.jsonl",
+        data={"path": f"{REPO}/recipes/data/arithmetic-train.jsonl"},
         tokenizer_path=router.model_path,
         rollout={"group_size": 2},
         max_tokens=8,
@@ -444,7 +445,7 @@ def run_chat_pool(
         pool = RolloutPool(
             settings,
             chat_runner(agent, front, base_url),
-            PromptSource(settings.prompts_path),
+            PromptSource(load_prompts(settings.data.path, "train")),
             TrajectoryQueue(client, "front-test"),
             lambda: 0,
         )

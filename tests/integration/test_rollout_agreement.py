@@ -40,7 +40,7 @@ def pool_file(tmp_path: Path, router: Any, redis_url: str, rollout: str) -> Path
         f'[agent_pool]\nlisten = "127.0.0.1:{free_port()}"\nhttp_listen = "127.0.0.1:{free_port()}"\n'
         f'metrics_port = 0\nrouter_address = "{router.address}"\n'
         f'agent = "{REPO}/recipes/agents/arithmetic.py:ArithmeticEnv"\n'
-        f'prompts_path = "{REPO}/recipes/data/arithmetic-train.jsonl"\ntokenizer_path = "{router.model_path}"\n'
+        f'data = {{ path = "{REPO}/recipes/data/arithmetic-train.jsonl" }}\ntokenizer_path = "{router.model_path}"\n'
     )
     return path
 

@@ -263,7 +263,7 @@ def test_preflight_names_what_this_machine_lacks(tiny_model: Path, tmp_path: Pat
             "launcher.sft_warmup=false",
             f'router.engine.model_path="{tiny_model}"',
             f'learner.model_path="{tmp_path / "typo"}"',
-            f'agent_pool.prompts_path="{tmp_path / "none.jsonl"}"',
+            f'agent_pool.data.path="{tmp_path / "none.jsonl"}"',
             f"router.listen='127.0.0.1:{port}'",
             "learner.metrics_port=0",
             "run.redis_url='redis://127.0.0.1:1/0'",
@@ -271,7 +271,7 @@ def test_preflight_names_what_this_machine_lacks(tiny_model: Path, tmp_path: Pat
         problems = preflight(load_recipe(TINY, sets))
     assert len(problems) == 4, problems
     assert "learner.model_path" in problems[0] and "no config.json" in problems[0]
-    assert "agent_pool.prompts_path" in problems[1] and "does not exist" in problems[1]
+    assert "agent_pool.data.path" in problems[1] and "does not exist" in problems[1]
     assert f"router.listen: port {port} is in use" in problems[2]
     assert "redis_url = 'redis://127.0.0.1:1/0' does not answer" in problems[3]
     built = load_recipe(TINY, ["launcher.sft_warmup=false", f'learner.model_path="{tmp_path / "tiny"}"'])

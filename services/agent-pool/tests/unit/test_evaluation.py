@@ -32,9 +32,9 @@ def test_a_pass_is_due_when_the_version_crosses_a_multiple(last: int, current: i
 
 
 def test_enabled_eval_needs_data() -> None:
-    with pytest.raises(ValidationError, match="data_path"):
+    with pytest.raises(ValidationError, match=r"\[agent_pool.eval\] path is not set"):
         EvalSettings(enabled=True)
-    assert EvalSettings(enabled=True, data_path=Path("test.jsonl")).samples_per_prompt == 1
+    assert EvalSettings(enabled=True, path="test.jsonl").samples_per_prompt == 1
     assert not EvalSettings().enabled
 
 
@@ -45,14 +45,19 @@ def test_a_pass_in_which_every_episode_failed_is_not_recorded_as_a_reward(tmp_pa
 
     from molt.agent_pool.evaluation import Evaluator
 
-    data = tmp_path / "test.jsonl"
-    data.write_text('{"question": "1+1", "answer": 2}\n')
-
     async def broken(prompt: dict) -> None:
         raise RuntimeError("router down")
 
     out = tmp_path / "eval.jsonl"
-    evaluator = Evaluator(EvalSettings(enabled=True, data_path=data), broken, lambda: 3, out, 5.0, 2)
+    evaluator = Evaluator(
+        EvalSettings(enabled=True, path="test.jsonl"),
+        [{"question": "1+1", "answer": 2}],
+        broken,
+        lambda: 3,
+        out,
+        5.0,
+        2,
+    )
     with pytest.raises(RuntimeError, match="every one of the 1 evaluation episodes at version 3 failed"):
         asyncio.run(evaluator.run_pass())
     assert evaluator.results == [] and not out.exists() and evaluator.last_version is None

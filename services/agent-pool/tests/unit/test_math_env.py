@@ -11,7 +11,7 @@ import time
 import pytest
 
 from molt.agent_pool.agents import Env, load_agent
-from molt.agent_pool.envs.math import MathEnv, extract_answer, grade, grade_bounded
+from molt.agent_pool.envs.math import MathEnv, _Graders, extract_answer, grade, grade_bounded
 
 
 @pytest.mark.parametrize("form", ["1/2", "0.5", "\\frac{1}{2}", "\\dfrac12", "\\frac12", "0.50"])
@@ -159,3 +159,19 @@ def test_a_reply_that_would_never_finish_grading_is_killed_and_earns_nothing() -
     # The ticker ran on while the reply was graded (about 40 ticks in the 2 s; held off the GIL by an
     # in-process grading, it would have ticked about once).
     assert len(ticks) >= 5
+
+
+def test_a_grading_process_serves_reply_after_reply_and_one_that_overran_is_replaced() -> None:
+    """A process per reply paid for starting it (the parent's main module, math-verify's parser) on
+    every reply; a kept one pays once. One that overran is killed, and the next reply gets another."""
+    graders = _Graders(1)
+    assert graders.grade(("\\boxed{1}", "1", ("boxed",), 0.0), 10.0) == 1.0
+    kept = graders.idle.get()
+    graders.idle.put(kept)
+    assert graders.grade(("\\boxed{3}", "4", ("boxed",), 0.0), 10.0) == 0.0
+    assert kept.process.is_alive() and graders.idle.get() is kept  # the same process graded both
+    graders.idle.put(kept)
+    assert graders.grade(("\\boxed{9^{9^{9^9}}}", "1", ("boxed",), 0.0), 1.0) == 0.0
+    assert not kept.process.is_alive() and graders.idle.empty()
+    assert graders.grade(("\\boxed{5}", "5", ("boxed",), 0.0), 10.0) == 1.0  # by a new process
+    assert graders.idle.get() is not kept

@@ -18,6 +18,7 @@ import redis
 
 from molt.agent_pool.agents import Prompt, load_agent
 from molt.agent_pool.config import AgentPoolSettings
+from molt.agent_pool.dataset import load_prompts
 from molt.agent_pool.episodes import Episode, _messages, _reward
 from molt.agent_pool.pool import RolloutPool
 from molt.agent_pool.prompts import PromptSource
@@ -33,13 +34,17 @@ def make_settings(tmp_path: Path, tiny_model: Path, **overrides: Any) -> AgentPo
     values: dict[str, Any] = {
         "run": {"run_id": RUN, "run_dir": str(tmp_path)},
         "agent": f"{REPO}/recipes/agents/arithmetic.py:ArithmeticEnv",
-        "prompts_path": REPO / "recipes/data/arithmetic-train.jsonl",
+        "data": {"path": f"{REPO}/recipes/data/arithmetic-train.jsonl"},
         "tokenizer_path": tiny_model,
         "group_size": 2,
         "groups_in_flight": 1,
         "metrics_port": 0,
     }
     return AgentPoolSettings(**nest_rollout(values | overrides))
+
+
+def prompts(settings: AgentPoolSettings) -> PromptSource:
+    return PromptSource(load_prompts(settings.data.path, settings.data.split))
 
 
 async def one_episode(prompt: Prompt) -> Episode:
@@ -56,7 +61,7 @@ def test_a_full_queue_holds_a_group_and_a_stop_writes_nothing_behind_the_counts(
     caplog.set_level(logging.WARNING, logger="molt.agent_pool.pool")
 
     async def main() -> tuple[int, ...]:
-        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), queue, lambda: 10**6)
+        pool = RolloutPool(settings, one_episode, prompts(settings), queue, lambda: 10**6)
         pool.start(max_groups=1)
         await asyncio.wait_for(pool.wait_idle(), 30)  # the first group fills the queue
         pool.start(max_groups=1)
@@ -86,9 +91,7 @@ def test_groups_whose_episodes_all_fail_make_the_producer_back_off(
         raise RuntimeError("agent bug")
 
     async def main() -> tuple[float, RolloutPool]:
-        pool = RolloutPool(
-            settings, broken, PromptSource(settings.prompts_path), TrajectoryQueue(redis_client, RUN), lambda: 0
-        )
+        pool = RolloutPool(settings, broken, prompts(settings), TrajectoryQueue(redis_client, RUN), lambda: 0)
         started = time.monotonic()
         pool.start(max_groups=4)
         await asyncio.wait_for(pool.wait_idle(), 30)
@@ -128,7 +131,7 @@ def test_a_second_start_paces_from_the_queue_as_it_finds_it(
 
     async def main() -> tuple[int, int]:
         queue = TrajectoryQueue(redis_client, RUN)
-        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), queue, lambda: 10**6)
+        pool = RolloutPool(settings, one_episode, prompts(settings), queue, lambda: 10**6)
         pool.start(max_groups=2)
         await asyncio.wait_for(pool.wait_idle(), 30)
         redis_client.xgroup_create(queue.keys.stream, "learner", id="0", mkstream=True)
@@ -150,7 +153,7 @@ def test_pacing_reads_that_redis_does_not_answer_are_logged_once_and_slowed(
     caplog.set_level(logging.WARNING, logger="molt.agent_pool.pool")
 
     async def main() -> tuple[list[int | None], float]:
-        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), TrajectoryQueue(gone, RUN), int)
+        pool = RolloutPool(settings, one_episode, prompts(settings), TrajectoryQueue(gone, RUN), int)
         started = time.monotonic()
         reads = [await pool._learner_skipped() for _ in range(3)]
         return reads, time.monotonic() - started
@@ -171,7 +174,7 @@ def test_a_pool_with_a_share_of_the_step_paces_on_its_share(
         redis_client.flushall()  # each production on an empty queue (no backlog from the other)
         settings = make_settings(tmp_path, tiny_model, groups_per_step=4, max_staleness=0, **share)
         queue = TrajectoryQueue(redis_client, RUN)
-        pool = RolloutPool(settings, one_episode, PromptSource(settings.prompts_path), queue, lambda: 0)
+        pool = RolloutPool(settings, one_episode, prompts(settings), queue, lambda: 0)
         pool.start(max_groups=8)
         await asyncio.sleep(2.0)
         count = pool.stats.started_groups

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import redis
 
+from molt.agent_pool.dataset import names_local
 from molt.core.errors import ConfigError
 from molt.core.serve import ports_taken
 from molt.launcher.recipe import Recipe, is_model_dir
@@ -229,13 +230,19 @@ def preflight(recipe: Recipe, run_dir: Path | None = None) -> list[str]:
         if path != built and not is_model_dir(path):
             problems.append(f"{name} = {str(path)!r} is not a model directory (no config.json)")
     files = []
-    if pool is not None:
-        files.append(("agent_pool.prompts_path", pool.prompts_path))
-        if pool.eval.enabled and pool.eval.data_path is not None:
-            files.append(("agent_pool.eval.data_path", pool.eval.data_path))
     if sft and learner.sft is not None:
         files.append(("learner.sft.data_path", learner.sft.data_path))
     problems += [f"{name} = {str(path)!r} does not exist" for name, path in files if not path.is_file()]
+    if pool is not None:
+        datasets = [("agent_pool.data.path", pool.data.path)]
+        if pool.eval.enabled and pool.eval.path is not None:
+            datasets.append(("agent_pool.eval.path", pool.eval.path))
+        # A hub id cannot be checked without the hub; a local path can.
+        problems += [
+            f"{name} = {path!r} does not exist"
+            for name, path in datasets
+            if names_local(path) and not Path(path).exists()
+        ]
     for name, settings in recipe.services.items():
         problems += [f"{name}.{taken}" for taken in ports_taken(settings)]
     if not embedded_redis(recipe) and learner.run.redis_url:

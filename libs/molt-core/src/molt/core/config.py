@@ -17,13 +17,13 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, PydanticBaseSettingsSource
 
 from molt.core.errors import ConfigError
-from molt.core.rollout import RolloutSettings, moved_keys
+from molt.core.rollout import MOVED, RolloutSettings
 
 # Top-level tables a recipe may have: the shared run and rollout tables, one per service, the launcher's.
 SHARED_TABLES = ("run", "rollout")
@@ -54,6 +54,9 @@ class ServiceSettings(BaseSettings):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")  # type: ignore[assignment]
+    # Keys of this service's table that moved: key path -> the new place, said to the user when a
+    # recipe, --set or the environment still sets one (the [rollout] moves are ``molt.core.rollout.MOVED``).
+    MOVED_KEYS: ClassVar[Mapping[tuple[str, ...], str]] = {}
 
     run: RunSettings = Field(default_factory=RunSettings, description="Shared run settings (the [run] table).")
     rollout: RolloutSettings = Field(
@@ -122,14 +125,8 @@ def describe_error(error: Mapping[str, Any], layers: Sequence[tuple[str, Mapping
     priority) of ``layers`` that holds the key."""
     loc = tuple(str(part) for part in error["loc"])
     key = ".".join(loc)
-    origin = "defaults"
-    for name, layer in layers:  # highest priority first: report where the bad value came from
-        node: Any = layer
-        for part in loc:
-            node = node.get(part) if isinstance(node, Mapping) else None
-        if node is not None:
-            origin = name
-            break
+    # The highest-priority layer that holds the key is where the bad value came from.
+    origin = next((name for name, layer in layers if _lookup(layer, loc) is not None), "defaults")
     value = json.dumps(error.get("input"), default=str)
     return f"  {key} = {value} (from {origin}): {error['msg']}"
 
@@ -171,7 +168,8 @@ def load_settings(
     if overrides:
         given = with_shared_tables(section, overrides)
         layers.insert(2, ("--set", given))  # the same values as the recipe's: only what errors name changes
-    moved_keys(section, layers, environ if environ is not None else os.environ)
+    moves = {path: place for (table, path), place in MOVED.items() if table == section} | dict(cls.MOVED_KEYS)
+    moved_keys(section, moves, layers, environ if environ is not None else os.environ)
     merged: dict[str, Any] = {}
     for _, layer in reversed(layers):
         merged = _merge(merged, layer)
@@ -180,6 +178,34 @@ def load_settings(
     except ValidationError as exc:
         details = "\n".join(describe_error(err, layers) for err in exc.errors())
         raise ConfigError(f"invalid {section} settings:\n{details}") from exc
+
+
+def moved_keys(
+    section: str,
+    moves: Mapping[tuple[str, ...], str],
+    layers: Sequence[tuple[str, Mapping[str, Any]]],
+    environ: Mapping[str, str],
+) -> None:
+    """Raises ``ConfigError`` naming the new place of every key of ``moves`` found in ``layers`` (name,
+    table) or as a ``MOLT_<SECTION>_...`` variable of ``environ`` (the environment source ignores names
+    it does not know, so it cannot report them)."""
+    found = []
+    names = {name.upper() for name in environ}
+    for path, place in moves.items():
+        origins = [origin for origin, layer in layers if _lookup(layer, path) is not None]
+        if f"MOLT_{section}_{'__'.join(path)}".upper() in names:
+            origins.append("environment")
+        found += [f"  {section}.{'.'.join(path)} (from {origin}) moved to {place}" for origin in origins]
+    if found:
+        header = f"invalid {section} settings: keys that moved, to set in their new place:"
+        raise ConfigError("\n".join([header, *found]))
+
+
+def _lookup(table: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    node: Any = table
+    for part in path:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
 
 
 def dump_settings(settings: BaseModel) -> str:

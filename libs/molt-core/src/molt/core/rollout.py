@@ -4,7 +4,7 @@ Declared once here and read by all four services (``settings.rollout``), so one 
 disagree with itself. Services started from separate files meet in the run's Redis hash
 (``register``) and refuse to run when they disagree on a value both act on; the router, which has
 no Redis, is recorded by its clients from ``GetRouterStatus`` (``molt.v1.RolloutSettings``). Keys
-that used to live in a service's own table fail with a message naming their new place.
+that used to live in a service's own table are listed in ``MOVED``.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ def register(client: redis.Redis, run_id: str, service: str, settings: RolloutSe
         )
 
 
-# Keys that moved into [rollout]: (service table, key path) -> the new place, said to the user.
-_MOVED: dict[tuple[str, tuple[str, ...]], str] = {
+# Keys that moved into [rollout]: (service table, key path) -> the new place, said to the user
+# (``molt.core.config`` refuses them, with the keys a service's own settings class says moved).
+MOVED: dict[tuple[str, tuple[str, ...]], str] = {
     **{("learner", (key,)): f"[rollout] {key}" for key in ("group_size", "groups_per_step", "max_staleness")},
     **{("agent_pool", (key,)): f"[rollout] {key}" for key in ("group_size", "groups_per_step", "max_staleness")},
     ("agent_pool", ("queue_max_length",)): "[rollout] queue_max_length",
@@ -128,30 +129,3 @@ _MOVED: dict[tuple[str, tuple[str, ...]], str] = {
     ("router", ("pause", "default_mode")): "[rollout] partial_rollout (true: keep, false: drain)",
     ("broadcaster", ("pause_mode",)): "[rollout] partial_rollout (true: keep, false: drain)",
 }
-
-
-def moved_keys(section: str, layers: list[tuple[str, Mapping[str, Any]]], environ: Mapping[str, str]) -> None:
-    """Raises ``ConfigError`` naming ``[rollout]`` for every key of ``section`` that now lives in the
-    ``[rollout]`` table, found in ``layers`` (name, table) or as a ``MOLT_<SECTION>_...`` variable of
-    ``environ`` (the environment source ignores names it does not know, so it cannot report them)."""
-    found = []
-    names = {name.upper() for name in environ}
-    for (table, path), place in _MOVED.items():
-        if table != section:
-            continue
-        origins = [origin for origin, layer in layers if _lookup(layer, path) is not None]
-        if f"MOLT_{section}_{'__'.join(path)}".upper() in names:
-            origins.append("environment")
-        found += [f"  {section}.{'.'.join(path)} (from {origin}) moved to {place}" for origin in origins]
-    if found:
-        raise ConfigError(
-            f"invalid {section} settings: keys that every service must agree on live in the [rollout] table now:\n"
-            + "\n".join(found)
-        )
-
-
-def _lookup(table: Mapping[str, Any], path: tuple[str, ...]) -> Any:
-    node: Any = table
-    for part in path:
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return node

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ..., ["tool_calls"]}
-Prompt = dict[str, Any]  # one line of the prompt dataset (JSONL)
+Prompt = dict[str, Any]  # one row of the prompt dataset (molt.agent_pool.dataset)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,13 +27,38 @@ class FilterSettings(BaseModel):
         return self
 
 
+class DataSettings(BaseModel):
+    """The training prompts: a dataset loaded through Hugging Face ``datasets`` (docs/agents.md, "Prompt data")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str = Field(
+        description="A JSONL (.jsonl, .json) or parquet file, a directory written by save_to_disk or holding "
+        "data files, or a Hugging Face hub dataset id (where the machine can reach the hub)."
+    )
+    split: str = Field("train", description="The split to read; a single file is one split, whatever its name.")
+    prompt_key: str = Field(
+        "question", description="The column holding the prompt; the agent reads it as prompt['question']."
+    )
+    answer_key: str = Field(
+        "answer", description="The column holding the reference answer; the agent reads it as prompt['answer']."
+    )
+    shuffle: bool = Field(True, description="Visit the rows in a new seeded order every epoch (else in file order).")
+    seed: int = Field(0, description="Seed of the row order; epoch e is shuffled with (seed, e).")
+
+
 class EvalSettings(BaseModel):
     """Held-out evaluation: the agent on test prompts, never queued for training."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    enabled: bool = Field(False, description="Run evaluation passes over data_path.")
-    data_path: Path | None = Field(None, description="JSONL test prompts (same shape as prompts_path).")
+    enabled: bool = Field(False, description="Run evaluation passes over the held-out set at path.")
+    path: str | None = Field(
+        None,
+        description="The held-out prompts, in any form [agent_pool.data] path takes, read with its prompt_key "
+        "and answer_key; every row is evaluated, in file order.",
+    )
+    split: str = Field("test", description="The split of path to read; a single file is one split, whatever its name.")
     every_versions: int = Field(
         0, ge=0, description="Evaluate whenever the policy version crosses a multiple of this; 0: start and stop only."
     )
@@ -39,13 +66,19 @@ class EvalSettings(BaseModel):
 
     @model_validator(mode="after")
     def _data(self) -> EvalSettings:
-        if self.enabled and self.data_path is None:
-            raise ValueError("eval is enabled but data_path is not set")
+        if self.enabled and self.path is None:
+            raise ValueError("eval is enabled but [agent_pool.eval] path is not set")
         return self
 
 
 class AgentPoolSettings(ServiceSettings):
     """molt-agent-pool: runs agents, serves the OpenAI/Anthropic front, queues trajectory groups."""
+
+    MOVED_KEYS: ClassVar[Mapping[tuple[str, ...], str]] = {
+        ("prompts_path",): "[agent_pool.data] path",
+        ("seed",): "[agent_pool.data] seed",
+        ("eval", "data_path"): "[agent_pool.eval] path",
+    }
 
     listen: str = Field("127.0.0.1:50052", description="gRPC listen address host:port.")
     http_listen: str = Field("127.0.0.1:8000", description="OpenAI/Anthropic HTTP front host:port.")
@@ -63,7 +96,7 @@ class AgentPoolSettings(ServiceSettings):
         "version at once (WatchPolicyVersion) instead of asking the router every 50 ms. Empty: the router alone.",
     )
     agent: str = Field(description="The agent: 'package.module:Class' or 'path/to/file.py:Class'.")
-    prompts_path: Path = Field(description="JSONL prompt dataset, one object per line.")
+    data: DataSettings = Field(description="The training prompts (the [agent_pool.data] table).")
     groups_in_flight: int = Field(8, ge=1, description="Prompt groups kept in flight.")
     max_concurrent_episodes: int = Field(64, ge=1, description="Episodes running at once.")
     episode_timeout_s: float = Field(
@@ -71,7 +104,6 @@ class AgentPoolSettings(ServiceSettings):
     )
     max_tokens: int = Field(256, ge=1, description="Generation budget of one turn, in tokens.")
     tokenizer_path: Path = Field(description="Tokenizer (with chat template) of the served model.")
-    seed: int = Field(0, description="Seed of the prompt order.")
     autostart: bool = Field(True, description="Start producing at launch (else wait for StartRollouts).")
     groups_per_step_share: int | None = Field(
         None,

@@ -26,7 +26,6 @@ from molt.agent_pool import metrics
 from molt.agent_pool.agents import Prompt
 from molt.agent_pool.config import EvalSettings
 from molt.agent_pool.episodes import Episode, EpisodeRunner, attempt
-from molt.agent_pool.prompts import PromptSource
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -58,20 +57,19 @@ class Evaluator:
     def __init__(
         self,
         settings: EvalSettings,
+        prompts: list[Prompt],
         runner: EpisodeRunner,
         policy_version: Callable[[], int],
         out_path: Path,
         episode_timeout_s: float,
         max_concurrent: int,
     ) -> None:
-        if settings.data_path is None:
-            raise ValueError("eval settings have no data_path")
         self.settings = settings
         self.runner = runner
         self.policy_version = policy_version
         self.out_path = out_path
         self.timeout_s = episode_timeout_s
-        self.prompts = PromptSource(settings.data_path).prompts
+        self.prompts = prompts
         self.slots = asyncio.Semaphore(max_concurrent)
         self.results: list[EvalResult] = []
         self.task: asyncio.Task[None] | None = None

@@ -37,6 +37,9 @@ BACKPRESSURED = Gauge("molt_agent_pool_backpressured", "1 while waiting for the 
 POLICY_VERSION = Gauge(
     "molt_agent_pool_policy_version", "The policy version last seen: the broadcaster's announcement, else the router's."
 )
+DATA_EPOCH = Gauge(
+    "molt_agent_pool_data_epoch", "Epoch of the training dataset the newest prompt was taken from (0: the first pass)."
+)
 EVAL_REWARD = Gauge("molt_agent_pool_eval_mean_reward", "Mean reward of the latest held-out evaluation pass.")
 EVAL_POLICY_VERSION = Gauge("molt_agent_pool_eval_policy_version", "Policy version of the latest evaluation pass.")
 EVAL_PASSES = Counter("molt_agent_pool_eval_passes_total", "Evaluation passes completed.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -153,9 +154,16 @@ class RolloutPool:
             await self._wait_for_learner()
             await self._back_off()
             self.stats.started_groups += 1
-            task = asyncio.create_task(self._group(self.prompts.next()))
+            number, prompt = self.prompts.take()
+            task = asyncio.create_task(self._group(number, prompt))
             self.groups.add(task)
-            task.add_done_callback(lambda t: (self.groups.discard(t), slots.release()))
+            task.add_done_callback(functools.partial(self._group_ended, number, slots))
+
+    def _group_ended(self, number: int, slots: asyncio.Semaphore, task: asyncio.Task[None]) -> None:
+        self.groups.discard(task)
+        slots.release()
+        if task.cancelled():  # a stop, perhaps before the group even began: a later start takes its prompt again
+            self.prompts.give_back(number)
 
     def _needed_version(self) -> int:
         return (
@@ -228,7 +236,7 @@ class RolloutPool:
             self.redis_warned_at, self.redis_failures = now, 0
         await asyncio.sleep(1.0)
 
-    async def _group(self, prompt: Prompt) -> None:
+    async def _group(self, number: int, prompt: Prompt) -> None:
         self.stats.in_flight_groups += 1
         metrics.GROUPS_IN_FLIGHT.inc()
         queued = False
@@ -237,6 +245,9 @@ class RolloutPool:
             episodes = [e for e in results if e is not None]
             self.failing = 0 if episodes else self.failing + 1
             queued = await self._queue_group(prompt, episodes, failed=len(results) - len(episodes))
+            # Queued, filtered or failed: the prompt is used up, and a restart goes on after it.
+            if self.prompts.consumed(number):
+                await self.prompts.save()
         finally:
             self.stats.unqueued_groups += not queued  # filtered, all duplicates, or failed: another starts
             self.stats.in_flight_groups -= 1

@@ -11,11 +11,12 @@ from transformers import AutoTokenizer
 
 from molt.agent_pool.agents import Env, load_agent
 from molt.agent_pool.config import AgentPoolSettings
+from molt.agent_pool.dataset import load_prompts
 from molt.agent_pool.episodes import TurnLimits, chat_runner, env_runner
 from molt.agent_pool.evaluation import Evaluator
 from molt.agent_pool.front import ChatFront, start_front
 from molt.agent_pool.pool import RolloutPool
-from molt.agent_pool.prompts import PromptSource
+from molt.agent_pool.prompts import PositionStore, PromptSource
 from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.server import AgentPoolServicer
 from molt.agent_pool.version_watch import VersionWatch
@@ -45,13 +46,17 @@ async def serve(settings: AgentPoolSettings) -> None:
     watch = VersionWatch(router)
     watch.version = info.policy_version
     watch.start(settings.broadcaster_address)
-    pool = RolloutPool(
-        settings, runner, PromptSource(settings.prompts_path, settings.seed), queue, watch, watch.wait_newer
-    )
+    data = settings.data
+    rows = load_prompts(data.path, data.split, data.prompt_key, data.answer_key)
+    position = PositionStore(client, settings.run.run_id, data.path, data.split, len(rows), data.shuffle, data.seed)
+    prompts = PromptSource(rows, data.shuffle, data.seed, position)
+    pool = RolloutPool(settings, runner, prompts, queue, watch, watch.wait_newer)
     evaluator = None
-    if settings.eval.enabled:
+    if settings.eval.enabled and settings.eval.path is not None:
+        held_out = load_prompts(settings.eval.path, settings.eval.split, data.prompt_key, data.answer_key)
         evaluator = Evaluator(
             settings.eval,
+            held_out.all(),
             runner,
             watch,
             settings.run.run_dir / "eval.jsonl",

@@ -12,6 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
+import os
+import queue
+import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
@@ -98,16 +101,79 @@ def grade(
 
 @functools.cache
 def _grading_context() -> ForkServerContext:
-    """Processes forked from a server that imported this module (and math-verify) once: a child then
-    starts in milliseconds, and nothing of the pool's threads, loop or gRPC state is forked with it."""
+    """Processes forked from a server that imported this module (and math-verify) once, so that nothing
+    of the pool's threads, loop or gRPC state is forked with them."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     return context
 
 
-def _grade_into(sink: Connection, reply: str, reference: str, formats: tuple[str, ...], bonus: float) -> None:
-    sink.send(grade(reply, reference, formats, bonus))  # type: ignore[arg-type]
-    sink.close()
+def _serve_grades(requests: Connection) -> None:
+    """A grading process's loop: one reply at a time, until its parent closes the pipe."""
+    # math-verify warns on every call that its timeout is off; the process is the timeout here, and
+    # the warning, unhandled in this process, would go to the pool's log once per reply.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    while True:
+        try:
+            reply, reference, formats, bonus = requests.recv()
+        except EOFError:
+            return
+        requests.send(grade(reply, reference, formats, bonus))
+
+
+class _Grader:
+    """One grading process, kept from reply to reply. A new process pays for more than the fork: it
+    re-imports the parent's main module when the pool was started by its console script, and
+    math-verify builds its parser on the first reply; per reply, that kept a loaded machine's grading
+    past any timeout."""
+
+    def __init__(self) -> None:
+        self.pipe, child_end = _grading_context().Pipe()
+        self.process = _grading_context().Process(target=_serve_grades, args=(child_end,), daemon=True)
+        self.process.start()
+        child_end.close()
+
+    def grade(self, request: tuple[str, str, tuple[str, ...], float], timeout_s: float) -> float | None:
+        """The reward, or None when the process overran ``timeout_s`` or died (it is then killed)."""
+        try:
+            self.pipe.send(request)
+            if self.pipe.poll(timeout_s):
+                return float(self.pipe.recv())
+            log.warning(
+                "grading a reply took longer than %.1f s: it earns 0", timeout_s, extra={"replyTail": request[0][-200:]}
+            )
+        except (EOFError, OSError):  # the process died (killed from outside, out of memory)
+            log.warning("the grading process died before answering: the reply earns 0")
+        self.process.kill()
+        self.process.join()
+        self.pipe.close()
+        return None
+
+
+class _Graders:
+    """The grading processes of this process: at most ``size`` replies graded at once, each by an idle
+    process or a new one; one that overran is killed and not used again."""
+
+    def __init__(self, size: int) -> None:
+        self.slots = threading.BoundedSemaphore(size)
+        self.idle: queue.SimpleQueue[_Grader] = queue.SimpleQueue()
+
+    def grade(self, request: tuple[str, str, tuple[str, ...], float], timeout_s: float) -> float:
+        with self.slots:  # waiting for a free process is not grading time
+            try:
+                grader = self.idle.get_nowait()
+            except queue.Empty:
+                grader = _Grader()
+            reward = grader.grade(request, timeout_s)
+            if reward is None:
+                return 0.0
+            self.idle.put(grader)
+            return reward
+
+
+@functools.cache
+def _graders() -> _Graders:
+    return _Graders(max(2, min(os.cpu_count() or 1, 8)))
 
 
 def grade_bounded(
@@ -117,30 +183,15 @@ def grade_bounded(
     format_reward: float = 0.0,
     timeout_s: float = 10.0,
 ) -> float:
-    """``grade`` in a child process, killed after ``timeout_s`` (the reply then earns 0).
+    """``grade`` in a grading process, killed after ``timeout_s`` (the reply then earns 0).
 
     math-verify's own timeout cannot be used off the main thread, and a reply can make grading run
     for ever: SymPy simplifying at length, or one integer power tower computed while holding the GIL,
-    which would stall every episode of the pool, not only its own. A process can be killed.
+    which would stall every episode of the pool, not only its own. A process can be killed. The
+    processes are kept between replies (``_Grader`` says why), a few of them (up to the CPU count,
+    at most 8), so that grading never takes more than its share of the machine.
     """
-    context = _grading_context()
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_grade_into, args=(send, reply, reference, tuple(formats), format_reward))
-    child.start()
-    send.close()
-    try:
-        if receive.poll(timeout_s):
-            return float(receive.recv())
-        log.warning("grading a reply took longer than %.1f s: it earns 0", timeout_s, extra={"replyTail": reply[-200:]})
-        return 0.0
-    except EOFError:  # the child died before answering (killed from outside, out of memory)
-        log.warning("the grading process died before answering: the reply earns 0")
-        return 0.0
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
-        receive.close()
+    return _graders().grade((reply, reference, tuple(formats), format_reward), timeout_s)
 
 
 class MathEnv(Env):
