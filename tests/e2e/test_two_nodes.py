@@ -105,6 +105,7 @@ def cpu_sets(tiny_model: Path) -> list[str]:
         "learner.compile": "false",
         "learner.max_steps": str(STEPS),
         "learner.optimizer.total_steps": str(STEPS),
+        "agent_pool.agent": '"recipes/agents/arithmetic.py:ArithmeticEnv"',
         "agent_pool.data.path": '"recipes/data/arithmetic-train.jsonl"',
         "agent_pool.tokenizer_path": f'"{tiny_model}"',
         "agent_pool.groups_in_flight": "4",
