@@ -2,8 +2,9 @@
 reference fp32 transformers forward of the same weights picks, token for token, prompt and response.
 
 vLLM starts its workers with spawn, so the engine runs in a child process executing this file as a
-script with molt's worker extension; it samples concurrent requests of different lengths, takes their
-routing through ``collective_rpc`` and writes a report the test checks. ``slow``: the engine start
+script with molt's worker extension; it samples concurrent requests of different lengths in a KV cache
+too small for all of them (so some are preempted and recomputed), takes their routing through
+``collective_rpc`` and writes a report the test checks. ``slow``: the engine start
 dominates (about a minute on 2 cores).
 """
 
@@ -21,7 +22,7 @@ import torch
 from molt.core.tiny_model import build
 
 PROMPTS = ([5, 6, 7], [10, 20, 30, 40, 50, 60, 70], list(range(40, 60)), list(range(100, 145)))
-MAX_TOKENS = (6, 12, 9, 16)
+MAX_TOKENS = (40, 30, 20, 16)
 
 
 def generate_and_take(model: Path) -> dict[str, object]:
@@ -32,7 +33,12 @@ def generate_and_take(model: Path) -> dict[str, object]:
 
     llm = LLM(
         model=str(model),
-        max_model_len=256,
+        # A KV cache of 4 blocks of 32 tokens: each request below needs 2; three start with one each and
+        # outgrow it, so the scheduler preempts one and later recomputes it from position 0.
+        max_model_len=96,
+        block_size=32,
+        num_gpu_blocks_override=4,
+        disable_log_stats=False,
         gpu_memory_utilization=0.15,
         dtype="float32",
         seed=0,
@@ -47,8 +53,10 @@ def generate_and_take(model: Path) -> dict[str, object]:
     tokens = {out.request_id: list(out.prompt_token_ids or []) + list(out.outputs[0].token_ids) for out in outputs}
     taken = llm.collective_rpc("take_routing", args=({rid: len(ids) for rid, ids in tokens.items()},))[0]
     again = llm.collective_rpc("take_routing", args=({rid: len(ids) for rid, ids in tokens.items()},))[0]
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     return {
         "shape": shape,
+        "preemptions": preemptions,
         "taken_twice": sorted(again),
         "requests": [
             {
@@ -90,6 +98,7 @@ def test_engine_capture_matches_a_reference_forward(tmp_path: Path) -> None:
     assert child.returncode == 0, child.stderr[-4000:]
     report = json.loads(report_path.read_text())
     assert report["shape"] == {"layers": 2, "top_k": 2}
+    assert report["preemptions"] > 0  # the capture mapped recomputed rows too
     assert report["taken_twice"] == []  # take_routing forgets what it returned
     assert len(report["requests"]) == len(PROMPTS)
     for prompt, max_tokens, request in zip(PROMPTS, MAX_TOKENS, report["requests"], strict=True):

@@ -58,9 +58,10 @@ class RoutingRecorder:
     """The capture state of one worker: ``capture`` is each MoE layer's callback, ``begin`` and
     ``commit`` bracket one ``execute_model`` of the model runner."""
 
-    def __init__(self, layers: int, top_k: int) -> None:
+    def __init__(self, layers: int, top_k: int, kept_finished: int = KEPT_FINISHED) -> None:
         self.layers = layers
         self.top_k = top_k
+        self.kept_finished = kept_finished
         self.step: dict[int, torch.Tensor] | None = None  # layer -> ids of the open step's rows
         self.requests: dict[str, RequestRouting] = {}
         self.finished: deque[str] = deque()
@@ -92,7 +93,7 @@ class RoutingRecorder:
         for req_id in finished:
             if req_id in self.requests:
                 self.finished.append(req_id)
-        while len(self.finished) > KEPT_FINISHED:
+        while len(self.finished) > self.kept_finished:
             if self.requests.pop(self.finished.popleft(), None) is not None:
                 self.forgotten += 1
 
