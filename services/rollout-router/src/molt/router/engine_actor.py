@@ -44,7 +44,7 @@ from molt.router.versioned_chunks import chunks_of, token_versions
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "molt.router.worker_extension.WeightReceiver"
+WORKER_EXTENSION = "molt.router.worker_extension.EngineWorker"
 
 
 @dataclass(frozen=True)

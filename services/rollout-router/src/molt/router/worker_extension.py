@@ -1,4 +1,5 @@
-"""Code vLLM injects into every engine worker (``worker_extension_cls``): the receiving end of a refit.
+"""Code vLLM injects into every engine worker (``worker_extension_cls`` = ``EngineWorker``): the
+receiving end of a refit, and routed-expert capture (molt.router.expert_capture).
 
 Reached with ``collective_rpc`` (the engine actor forwards the broadcaster's calls), beside the model
 in the worker process: ``join_weight_group`` makes the worker a rank of the weight group
@@ -27,6 +28,7 @@ from molt.core.weightsync import (
     tensor_checksum,
     wait_for_sender,
 )
+from molt.router.expert_capture import RoutingCapture
 
 log = logging.getLogger(__name__)
 
@@ -175,3 +177,7 @@ class WeightReceiver:
         if tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
         return incomplete
+
+
+class EngineWorker(WeightReceiver, RoutingCapture):
+    """What vLLM mixes into its worker class: one ``worker_extension_cls`` carries both concerns."""
