@@ -15,20 +15,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from molt.core.processes import log_records
+
 PEAK_BF16_FLOPS = 989e12  # H100 SXM and H200, dense
-
-
-def events(log: Path, message: str) -> list[dict]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-        if line.startswith("{") and message in line:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("message") == message:
-                found.append(event)
-    return found
 
 
 def parameters(model: Path) -> int:
@@ -48,7 +37,7 @@ def parameters(model: Path) -> int:
 
 def main(run: Path, memory: Path, model: Path) -> dict:
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    refits = events(run / "logs" / "broadcaster.log", "refit published")
+    refits = log_records(run / "logs" / "broadcaster.log", "refit published")
     after_first = steps[1:]
     span = after_first[-1]["time"] - steps[0]["time"] if len(steps) > 1 else float("nan")
     settings = json.loads((run / "settings.json").read_text())

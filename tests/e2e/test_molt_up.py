@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from molt.core.ports import free_port
-from molt.core.processes import log_tail
+from molt.core.processes import log_records, log_tail
 from molt.core.testing import RedisServer
 from molt.v1 import common_pb2
 
@@ -43,18 +43,6 @@ def cadence(every: int) -> dict[str, str]:
         "learner.refit_every": str(every),
         "rollout.max_staleness": staleness,
     }
-
-
-def log_records(path: Path) -> list[dict[str, object]]:
-    """The JSON lines of a service log (Ray and vLLM also write plain lines there)."""
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
 
 
 def molt_up_args(
@@ -124,7 +112,7 @@ def trained_and_published(run_dir: Path, every: int) -> tuple[list[dict[str, obj
     after every ``every``-th step and after the last; returns those records and versions."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    published = [r for r in log_records(run_dir / "logs" / "broadcaster.log") if r.get("message") == "refit published"]
+    published = log_records(run_dir / "logs" / "broadcaster.log", "refit published")
     versions = sorted({*range(0, STEPS + 1, every), STEPS})  # every ``every``-th step, and the last
     assert [r["version"] for r in published] == versions
     return published, versions

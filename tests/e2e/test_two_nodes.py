@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from molt.core.ports import free_port
-from molt.core.processes import ChildProcess, ensure_ray_auth_token, log_tail
+from molt.core.processes import ChildProcess, ensure_ray_auth_token, log_records, log_tail
 from molt.core.testing import RAY_ENV, ray_driver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -146,17 +146,6 @@ def started(run_dir: Path) -> dict[str, object]:
         return {}
 
 
-def records(path: Path, message: str) -> list[dict[str, object]]:
-    """The JSON log records of ``path`` whose message is ``message``."""
-    found = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{") and f'"{message}"' in line:
-            record = json.loads(line)
-            if record.get("message") == message:
-                found.append(record)
-    return found
-
-
 def check_planned_refitted_and_stepped(run_dir: Path) -> None:
     """The plan put the learner on node 0 and the engine on node 1, and the router was handed that node;
     every step was refitted (version 0 first), each refit validated with the probe; the steps advanced."""
@@ -165,7 +154,7 @@ def check_planned_refitted_and_stepped(run_dir: Path) -> None:
     assert settings["services"]["router"]["engine"]["nodes"] == [1]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
-    published = records(run_dir / "logs" / "broadcaster.log", "refit published")
+    published = log_records(run_dir / "logs" / "broadcaster.log", "refit published")
     assert [r["version"] for r in published] == list(range(STEPS + 1))  # version 0, then one per step
     assert all(r["probe_max_abs_diff"] is not None for r in published)  # probed: refit_probe_every = 1
     assert all(float(r["probe_max_abs_diff"]) < 1e-3 for r in published)  # type: ignore[arg-type]
@@ -198,7 +187,7 @@ def test_cluster_recipe_places_the_engine_on_node_1_and_refits_across_nodes(
                 process.wait(timeout=120)
     assert code == 0, log_tail(out, 60)
     assert placed == {"engine": "1", "driver": "0"}
-    ready = records(run_dir / "logs" / "router.log", "engines ready")
+    ready = log_records(run_dir / "logs" / "router.log", "engines ready")
     assert ready[0]["data_channels"]["engine-0"].startswith(f"{WORKER_IP}:")  # type: ignore[index]
     check_planned_refitted_and_stepped(run_dir)
     assert json.loads(ray_driver(two_nodes, LEFTOVERS_BODY)) == {"engine": False, "groups": []}

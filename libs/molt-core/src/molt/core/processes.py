@@ -233,6 +233,21 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def log_records(path: Path, message: str | None = None) -> list[dict[str, object]]:
+    """The JSON records of a service's log (Ray and vLLM write plain lines there too), in file order;
+    with ``message``, only the records of that message."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and (message is None or record.get("message") == message):
+                records.append(record)
+    return records
+
+
 def failure_cause(path: Path, lines: int = 80, last_line: bool = True) -> str:
     """The line of a service's log that most likely says why it failed: the last error-level log
     record's message (with its ``error``/``reason`` field), else the last line of a traceback
