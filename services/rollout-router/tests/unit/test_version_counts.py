@@ -65,3 +65,16 @@ def test_unknown_requests_are_ignored_and_finished_ones_forgotten() -> None:
     counted.begin("a", 1, version=0)
     counted.forget("a")
     assert counted.starts == {}
+
+
+def test_a_sample_the_engine_core_no_longer_holds_keeps_the_tokens_already_handed_out() -> None:
+    """Finished in the engine core before the pause (so absent from the counts) while the actor still
+    streams it: the tokens already handed out stay old, and a boundary never moves back."""
+    processor, counted = Processor(), CountedVersions()
+    counted.begin("a", 1, version=1)
+    processor.admit("a", 1)
+    assert counted.versions("a", 0, 0, 3) == [1, 1, 1]
+    counted.switch(processor, {}, ["a"], version=2)
+    assert counted.versions("a", 0, 0, 4) == [1, 1, 1, 2]
+    counted.switch(processor, {"0_a-x": 1}, ["a"], version=3)  # a stale count below the boundary
+    assert counted.starts["a"][0] == [(0, 1), (3, 2), (4, 3)]  # after the 4 tokens handed out

@@ -337,9 +337,12 @@ class EngineActor:
         one client's calls in the order they were sent (one socket, one input queue) and runs no step
         while paused, so the label is in place before the first step under the new weights."""
         core = self.llm.engine_core
-        if self.counted is not None:  # read while paused: no step runs until the resume below
-            counts = await core.call_utility_async(UTILITY)
-            self.counted.switch(self.llm.output_processor, counts, list(self.tasks), policy_version)
+        if self.counted is not None:
+            # Read while paused (no step runs until the resume below). A resume at the version already
+            # running (the router's, after the probe's) moves no boundary: the engine is not paused then.
+            if policy_version != self.policy_version:
+                counts = await core.call_utility_async(UTILITY)
+                self.counted.switch(self.llm.output_processor, counts, list(self.tasks), policy_version)
             self.policy_version = policy_version
             await core.resume_scheduler_async()
             return

@@ -36,35 +36,41 @@ class CountedVersions:
 
     def __init__(self) -> None:
         self.starts: dict[str, list[list[tuple[int, int]]]] = {}
+        self.handed_out: dict[str, list[int]] = {}  # per sample, the tokens given a version so far
 
     def begin(self, request_id: str, sample_count: int, version: int) -> None:
         """A request the actor accepted: everything it samples is ``version``'s until the next switch."""
         self.starts[request_id] = [[(0, version)] for _ in range(sample_count)]
+        self.handed_out[request_id] = [0] * sample_count
 
     def forget(self, request_id: str) -> None:
         self.starts.pop(request_id, None)
+        self.handed_out.pop(request_id, None)
 
     def switch(self, processor: Any, counts: dict[str, int], request_ids: Iterable[str], version: int) -> None:
         """The engine resumes under ``version``: every sample of ``request_ids`` (the actor's requests)
-        continues at its engine-side count, read while paused (``counts``); a sample vLLM has not
-        admitted yet (no count) starts there at 0."""
+        continues at its engine-side count, read while paused (``counts``). A sample the engine core no
+        longer holds has either finished there (every token it sampled is older) or not been admitted
+        yet (it has sampled nothing): it continues after the tokens already handed out for it, which
+        are 0 in the second case. A boundary never moves back over tokens already labelled."""
         for request_id in request_ids:
             samples = self.starts.get(request_id)
             if samples is None:
                 continue
-            at = [0] * len(samples)
+            at = list(self.handed_out[request_id])
             for internal_id in processor.external_req_ids.get(request_id, ()):
                 state = processor.request_states.get(internal_id)
-                if state is not None and state.request_index < len(at):
-                    at[state.request_index] = counts.get(internal_id, 0)
+                if state is not None and state.request_index < len(at) and internal_id in counts:
+                    at[state.request_index] = max(at[state.request_index], counts[internal_id])
             for index, marks in enumerate(samples):
                 if marks[-1][0] >= at[index]:  # nothing sampled since the last switch: that label is void
-                    marks.pop()
+                    at[index] = marks.pop()[0]
                 marks.append((at[index], version))
 
     def versions(self, request_id: str, index: int, start: int, count: int) -> list[int]:
         """The versions of sample ``index``'s output tokens ``start .. start + count - 1``."""
         marks = self.starts[request_id][index]
+        self.handed_out[request_id][index] = max(self.handed_out[request_id][index], start + count)
         versions, mark = [], 0
         for position in range(start, start + count):
             while mark + 1 < len(marks) and marks[mark + 1][0] <= position:
