@@ -96,6 +96,5 @@ def test_per_token_arrays_are_packed() -> None:
         "rollout_logprobs",
         "loss_mask",
         "policy_versions",
-        "routed_expert_ids",
     ):
         assert common_pb2.Trajectory.DESCRIPTOR.fields_by_name[field].is_packed, field

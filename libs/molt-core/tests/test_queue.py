@@ -11,9 +11,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 
+from molt.core import expert_routing
 from molt.core.errors import Backpressure, InvalidInput
 from molt.core.queue import CONSUMER_GROUP, DEAD_PAYLOAD_BYTES, PutResult, QueueKeys, QueueStats, TrajectoryQueue
 from molt.core.testing import RedisServer
@@ -191,9 +193,8 @@ def _break(field: str) -> Callable[[common_pb2.Trajectory], None]:
         elif field == "reward":
             t.reward = math.nan
 
-        elif field == "routed_expert_ids":
-            t.routed_expert_layer_count, t.routed_expert_top_k = 2, 1
-            t.routed_expert_ids.extend([0] * 7)  # 4 tokens x 2 layers x top 1 = 8
+        elif field == "routed_experts":  # 3 prompt + 4 response tokens x 2 layers x top 1, one row short
+            t.routed_experts.CopyFrom(expert_routing.pack(np.zeros((6, 2, 1), dtype=np.int16)))
         else:
             getattr(t, field).pop()  # repeated fields: one entry short
 
@@ -210,7 +211,7 @@ def _break(field: str) -> Callable[[common_pb2.Trajectory], None]:
         ("rollout_logprobs", "rollout_logprobs has 3 entries"),
         ("loss_mask", "loss_mask has 3 entries"),
         ("policy_versions", "policy_versions has 3 entries"),
-        ("routed_expert_ids", "routed_expert_ids has 7 entries, expected tokens*layers*top_k = 8"),
+        ("routed_experts", "routed_experts covers 6 tokens; the trajectory has 7"),
         ("reward", "reward nan is not finite"),
     ],
 )
@@ -224,8 +225,7 @@ def test_every_structural_check_refuses(field: str, message: str) -> None:
     problems = group_problems(group, RUN)
     assert len(problems) == 1 and message in problems[0], problems
     valid = make_group(samples=1, tokens=4)
-    valid.trajectories[0].routed_expert_layer_count, valid.trajectories[0].routed_expert_top_k = 2, 1
-    valid.trajectories[0].routed_expert_ids.extend([3] * 8)
+    valid.trajectories[0].routed_experts.CopyFrom(expert_routing.pack(np.full((7, 2, 1), 3, dtype=np.int16)))
     assert group_problems(valid, RUN) == []
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from molt.core import expert_routing
 from molt.v1 import common_pb2
 
 
@@ -34,13 +35,10 @@ def trajectory_problems(trajectory: common_pb2.Trajectory) -> list[str]:
         length = len(getattr(trajectory, field))
         if length != n:
             problems.append(f"{name}: {field} has {length} entries, response_token_ids has {n}")
-    if trajectory.routed_expert_ids:
-        expected = n * trajectory.routed_expert_layer_count * trajectory.routed_expert_top_k
-        if expected != len(trajectory.routed_expert_ids):
-            problems.append(
-                f"{name}: routed_expert_ids has {len(trajectory.routed_expert_ids)} entries, "
-                f"expected tokens*layers*top_k = {expected}"
-            )
+    if trajectory.HasField("routed_experts"):
+        wrong = expert_routing.problem(trajectory.routed_experts, len(trajectory.prompt_token_ids) + n)
+        if wrong is not None:
+            problems.append(f"{name}: {wrong}")
     if not math.isfinite(trajectory.reward):
         problems.append(f"{name}: reward {trajectory.reward} is not finite")
     return problems

@@ -283,15 +283,13 @@ class Trajectory(_message.Message):
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _builtins.int
     LOSS_MASK_FIELD_NUMBER: _builtins.int
     POLICY_VERSIONS_FIELD_NUMBER: _builtins.int
-    ROUTED_EXPERT_IDS_FIELD_NUMBER: _builtins.int
-    ROUTED_EXPERT_LAYER_COUNT_FIELD_NUMBER: _builtins.int
-    ROUTED_EXPERT_TOP_K_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     TURN_COUNT_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     trajectory_id: _builtins.str
     """Globally unique id of this segment (e.g. a UUID). The queue and the learner
     drop a trajectory whose id they have already seen.
@@ -304,10 +302,6 @@ class Trajectory(_message.Message):
     """0-based index of this segment within its episode. A new segment starts
     when the agent rewrites its context so that the prompt no longer extends.
     """
-    routed_expert_layer_count: _builtins.int
-    """Optional (MoE only): the [layer] dimension of routed_expert_ids."""
-    routed_expert_top_k: _builtins.int
-    """Optional (MoE only): the [k] dimension of routed_expert_ids."""
     reward: _builtins.float
     """Scalar reward of the whole episode (every segment carries the same value)."""
     finish_reason: Global___FinishReason.ValueType
@@ -345,12 +339,6 @@ class Trajectory(_message.Message):
         """
 
     @_builtins.property
-    def routed_expert_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Optional (MoE only): routed expert ids per response token, flattened in
-        [token][layer][k] order; empty for dense models.
-        """
-
-    @_builtins.property
     def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Optional named reward components for logging (e.g. "format", "correct")."""
 
@@ -361,6 +349,12 @@ class Trajectory(_message.Message):
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
         """Wall time from the segment's first request to its last response."""
+
+    @_builtins.property
+    def routed_experts(self) -> Global___ExpertRouting:
+        """Optional (MoE policies with [rollout] routing_replay): the experts the engine used for every
+        token of prompt_token_ids + response_token_ids, in that order (docs/moe.md, "Routing layout").
+        """
 
     def __init__(
         self,
@@ -373,23 +367,63 @@ class Trajectory(_message.Message):
         rollout_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         loss_mask: _abc.Iterable[_builtins.bool] | None = ...,
         policy_versions: _abc.Iterable[_builtins.int] | None = ...,
-        routed_expert_ids: _abc.Iterable[_builtins.int] | None = ...,
-        routed_expert_layer_count: _builtins.int = ...,
-        routed_expert_top_k: _builtins.int = ...,
         reward: _builtins.float = ...,
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         turn_count: _builtins.int = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         duration: _duration_pb2.Duration | None = ...,
+        routed_experts: Global___ExpertRouting | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "duration", b"duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "duration", b"duration", "routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "duration", b"duration", "finish_reason", b"finish_reason", "loss_mask", b"loss_mask", "policy_versions", b"policy_versions", "prompt_token_ids", b"prompt_token_ids", "response_token_ids", b"response_token_ids", "reward", b"reward", "reward_components", b"reward_components", "rollout_id", b"rollout_id", "rollout_logprobs", b"rollout_logprobs", "routed_expert_ids", b"routed_expert_ids", "routed_expert_layer_count", b"routed_expert_layer_count", "routed_expert_top_k", b"routed_expert_top_k", "segment_index", b"segment_index", "trajectory_id", b"trajectory_id", "turn_count", b"turn_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "duration", b"duration", "finish_reason", b"finish_reason", "loss_mask", b"loss_mask", "policy_versions", b"policy_versions", "prompt_token_ids", b"prompt_token_ids", "response_token_ids", b"response_token_ids", "reward", b"reward", "reward_components", b"reward_components", "rollout_id", b"rollout_id", "rollout_logprobs", b"rollout_logprobs", "routed_experts", b"routed_experts", "segment_index", b"segment_index", "trajectory_id", b"trajectory_id", "turn_count", b"turn_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Trajectory: _TypeAlias = Trajectory  # noqa: Y015
+
+@_typing.final
+class ExpertRouting(_message.Message):
+    """The experts an MoE policy routed each token to, as the engine computed them: an array
+    [tokens, layers, top_k] in row-major order. Row t holds, for every decoder layer (the global
+    layer index; layers without experts hold "none"), the top_k expert ids chosen when token t was
+    the model's input. "none" marks a row the engine did not compute (the last sampled token, which
+    was never fed back; a token the capture missed): the learner routes those tokens itself.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    LAYER_COUNT_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    ID_BYTES_FIELD_NUMBER: _builtins.int
+    ids: _builtins.bytes
+    """The ids, each in id_bytes bytes: 1 = uint8 with 255 for "none" (models of at most 255
+    experts), 2 = little-endian int16 with -1 for "none". len(ids) is a multiple of
+    layer_count * top_k * id_bytes; the quotient is the token count.
+    """
+    layer_count: _builtins.int
+    """Decoder layers of the model (num_hidden_layers), >= 1."""
+    top_k: _builtins.int
+    """Experts per token, >= 1."""
+    id_bytes: _builtins.int
+    """Bytes per id: 1 or 2."""
+    def __init__(
+        self,
+        *,
+        ids: _builtins.bytes = ...,
+        layer_count: _builtins.int = ...,
+        top_k: _builtins.int = ...,
+        id_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id_bytes", b"id_bytes", "ids", b"ids", "layer_count", b"layer_count", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpertRouting: _TypeAlias = ExpertRouting  # noqa: Y015
 
 @_typing.final
 class TrajectoryGroup(_message.Message):

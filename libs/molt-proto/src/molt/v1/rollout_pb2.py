@@ -26,45 +26,45 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from molt.v1 import common_pb2 as molt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15molt/v1/rollout.proto\x12\x07molt.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14molt/v1/common.proto\"\x85\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x30\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x17.molt.v1.SamplingParams\"\xcf\x01\n\nCompletion\x12\x14\n\x0csample_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.molt.v1.TopLogprobs\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.molt.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x13.molt.v1.Completion\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x1a\n\x12prompt_token_count\x18\x04 \x01(\x05\"\x8b\x01\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x30\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x17.molt.v1.SamplingParams\"\x82\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x05 \x03(\x03\x12*\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x14.molt.v1.TopLogprobs\x12,\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x15.molt.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x11\n\tengine_id\x18\t \x01(\t\",\n\x16\x41\x62ortGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x17\x41\x62ortGenerationResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"l\n\x16PauseGenerationRequest\x12 \n\x04mode\x18\x01 \x01(\x0e\x32\x12.molt.v1.PauseMode\x12\x30\n\rdrain_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"R\n\x17PauseGenerationResponse\x12\x1f\n\x17suspended_request_count\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"I\n\x17ResumeGenerationRequest\x12\x1b\n\x0epolicy_version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x18\n\x16GetRouterStatusRequest\"\x94\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12!\n\x19outstanding_request_count\x18\x03 \x01(\x05\x12\x1f\n\x17outstanding_token_count\x18\x04 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\x05\"\x97\x02\n\x17GetRouterStatusResponse\x12&\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x15.molt.v1.EngineStatus\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x1f\n\x17in_flight_request_count\x18\x04 \x01(\x05\x12\x1d\n\x15waiting_request_count\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x16\n\x0emax_tokens_cap\x18\x08 \x01(\x05\x12)\n\x07rollout\x18\t \x01(\x0b\x32\x18.molt.v1.RolloutSettings*R\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_DRAIN\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x32\x81\x04\n\x0eRolloutService\x12?\n\x08Generate\x12\x18.molt.v1.GenerateRequest\x1a\x19.molt.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.molt.v1.GenerateStreamRequest\x1a\x1f.molt.v1.GenerateStreamResponse0\x01\x12T\n\x0f\x41\x62ortGeneration\x12\x1f.molt.v1.AbortGenerationRequest\x1a .molt.v1.AbortGenerationResponse\x12T\n\x0fPauseGeneration\x12\x1f.molt.v1.PauseGenerationRequest\x1a .molt.v1.PauseGenerationResponse\x12W\n\x10ResumeGeneration\x12 .molt.v1.ResumeGenerationRequest\x1a!.molt.v1.ResumeGenerationResponse\x12T\n\x0fGetRouterStatus\x12\x1f.molt.v1.GetRouterStatusRequest\x1a .molt.v1.GetRouterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15molt/v1/rollout.proto\x12\x07molt.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14molt/v1/common.proto\"\x85\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x30\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x17.molt.v1.SamplingParams\"\xff\x01\n\nCompletion\x12\x14\n\x0csample_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.molt.v1.TopLogprobs\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.molt.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12.\n\x0erouted_experts\x18\x08 \x01(\x0b\x32\x16.molt.v1.ExpertRouting\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x7f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x13.molt.v1.Completion\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x1a\n\x12prompt_token_count\x18\x04 \x01(\x05\"\x8b\x01\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x30\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x17.molt.v1.SamplingParams\"\xb2\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x05 \x03(\x03\x12*\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x14.molt.v1.TopLogprobs\x12,\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x15.molt.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x11\n\tengine_id\x18\t \x01(\t\x12.\n\x0erouted_experts\x18\n \x01(\x0b\x32\x16.molt.v1.ExpertRouting\",\n\x16\x41\x62ortGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x17\x41\x62ortGenerationResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"l\n\x16PauseGenerationRequest\x12 \n\x04mode\x18\x01 \x01(\x0e\x32\x12.molt.v1.PauseMode\x12\x30\n\rdrain_timeout\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"R\n\x17PauseGenerationResponse\x12\x1f\n\x17suspended_request_count\x18\x01 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"I\n\x17ResumeGenerationRequest\x12\x1b\n\x0epolicy_version\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x18\n\x16GetRouterStatusRequest\"\x94\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12!\n\x19outstanding_request_count\x18\x03 \x01(\x05\x12\x1f\n\x17outstanding_token_count\x18\x04 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\x05\"\x97\x02\n\x17GetRouterStatusResponse\x12&\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x15.molt.v1.EngineStatus\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x1f\n\x17in_flight_request_count\x18\x04 \x01(\x05\x12\x1d\n\x15waiting_request_count\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x16\n\x0emax_tokens_cap\x18\x08 \x01(\x05\x12)\n\x07rollout\x18\t \x01(\x0b\x32\x18.molt.v1.RolloutSettings*R\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_DRAIN\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x32\x81\x04\n\x0eRolloutService\x12?\n\x08Generate\x12\x18.molt.v1.GenerateRequest\x1a\x19.molt.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.molt.v1.GenerateStreamRequest\x1a\x1f.molt.v1.GenerateStreamResponse0\x01\x12T\n\x0f\x41\x62ortGeneration\x12\x1f.molt.v1.AbortGenerationRequest\x1a .molt.v1.AbortGenerationResponse\x12T\n\x0fPauseGeneration\x12\x1f.molt.v1.PauseGenerationRequest\x1a .molt.v1.PauseGenerationResponse\x12W\n\x10ResumeGeneration\x12 .molt.v1.ResumeGenerationRequest\x1a!.molt.v1.ResumeGenerationResponse\x12T\n\x0fGetRouterStatus\x12\x1f.molt.v1.GetRouterStatusRequest\x1a .molt.v1.GetRouterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'molt.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAUSEMODE']._serialized_start=1888
-  _globals['_PAUSEMODE']._serialized_end=1970
+  _globals['_PAUSEMODE']._serialized_start=1984
+  _globals['_PAUSEMODE']._serialized_end=2066
   _globals['_GENERATEREQUEST']._serialized_start=89
   _globals['_GENERATEREQUEST']._serialized_end=222
   _globals['_COMPLETION']._serialized_start=225
-  _globals['_COMPLETION']._serialized_end=432
-  _globals['_TOPLOGPROBS']._serialized_start=434
-  _globals['_TOPLOGPROBS']._serialized_end=484
-  _globals['_GENERATERESPONSE']._serialized_start=486
-  _globals['_GENERATERESPONSE']._serialized_end=613
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=616
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=755
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=758
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1016
-  _globals['_ABORTGENERATIONREQUEST']._serialized_start=1018
-  _globals['_ABORTGENERATIONREQUEST']._serialized_end=1062
-  _globals['_ABORTGENERATIONRESPONSE']._serialized_start=1064
-  _globals['_ABORTGENERATIONRESPONSE']._serialized_end=1106
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1108
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1216
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1218
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1300
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1302
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1375
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1377
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1427
-  _globals['_GETROUTERSTATUSREQUEST']._serialized_start=1429
-  _globals['_GETROUTERSTATUSREQUEST']._serialized_end=1453
-  _globals['_ENGINESTATUS']._serialized_start=1456
-  _globals['_ENGINESTATUS']._serialized_end=1604
-  _globals['_GETROUTERSTATUSRESPONSE']._serialized_start=1607
-  _globals['_GETROUTERSTATUSRESPONSE']._serialized_end=1886
-  _globals['_ROLLOUTSERVICE']._serialized_start=1973
-  _globals['_ROLLOUTSERVICE']._serialized_end=2486
+  _globals['_COMPLETION']._serialized_end=480
+  _globals['_TOPLOGPROBS']._serialized_start=482
+  _globals['_TOPLOGPROBS']._serialized_end=532
+  _globals['_GENERATERESPONSE']._serialized_start=534
+  _globals['_GENERATERESPONSE']._serialized_end=661
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=664
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=803
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=806
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1112
+  _globals['_ABORTGENERATIONREQUEST']._serialized_start=1114
+  _globals['_ABORTGENERATIONREQUEST']._serialized_end=1158
+  _globals['_ABORTGENERATIONRESPONSE']._serialized_start=1160
+  _globals['_ABORTGENERATIONRESPONSE']._serialized_end=1202
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1204
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1312
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1314
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1396
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1398
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1471
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1473
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1523
+  _globals['_GETROUTERSTATUSREQUEST']._serialized_start=1525
+  _globals['_GETROUTERSTATUSREQUEST']._serialized_end=1549
+  _globals['_ENGINESTATUS']._serialized_start=1552
+  _globals['_ENGINESTATUS']._serialized_end=1700
+  _globals['_GETROUTERSTATUSRESPONSE']._serialized_start=1703
+  _globals['_GETROUTERSTATUSRESPONSE']._serialized_end=1982
+  _globals['_ROLLOUTSERVICE']._serialized_start=2069
+  _globals['_ROLLOUTSERVICE']._serialized_end=2582
 # @@protoc_insertion_point(module_scope)

@@ -106,6 +106,7 @@ class Completion(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     sample_index: _builtins.int
     """0-based index of this sample among the request's sample_count."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -130,6 +131,12 @@ class Completion(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
         """Per token, when top_logprob_count > 0: the most likely alternatives."""
 
+    @_builtins.property
+    def routed_experts(self) -> _common_pb2.ExpertRouting:
+        """MoE policies with [rollout] routing_replay only: the experts the engine used for every token
+        of the prompt followed by this sample's tokens (common.ExpertRouting; a finished sample only).
+        """
+
     def __init__(
         self,
         *,
@@ -140,10 +147,11 @@ class Completion(_message.Message):
         top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         stop_reason: _builtins.str = ...,
+        routed_experts: _common_pb2.ExpertRouting | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "sample_index", b"sample_index", "stop_reason", b"stop_reason", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "routed_experts", b"routed_experts", "sample_index", b"sample_index", "stop_reason", b"stop_reason", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -270,6 +278,7 @@ class GenerateStreamResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's request_id."""
     sample_index: _builtins.int
@@ -296,6 +305,12 @@ class GenerateStreamResponse(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
         """Per new token, when top_logprob_count > 0: the most likely alternatives."""
 
+    @_builtins.property
+    def routed_experts(self) -> _common_pb2.ExpertRouting:
+        """On the last chunk, MoE policies with [rollout] routing_replay only: the experts the engine used
+        for the prompt and every token of this sample (as Completion.routed_experts).
+        """
+
     def __init__(
         self,
         *,
@@ -308,10 +323,11 @@ class GenerateStreamResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         stop_reason: _builtins.str = ...,
         engine_id: _builtins.str = ...,
+        routed_experts: _common_pb2.ExpertRouting | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "request_id", b"request_id", "sample_index", b"sample_index", "stop_reason", b"stop_reason", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "policy_versions", b"policy_versions", "request_id", b"request_id", "routed_experts", b"routed_experts", "sample_index", b"sample_index", "stop_reason", b"stop_reason", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
