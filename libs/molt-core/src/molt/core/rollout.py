@@ -47,6 +47,11 @@ class RolloutSettings(BaseModel):
     queue_max_length: int = Field(
         1024, ge=1, description="Bound of the trajectory queue (groups not yet acknowledged) every producer uses."
     )
+    routing_replay: bool = Field(
+        False,
+        description="MoE policies: the engines capture the experts each token was routed to, the trajectories "
+        "carry them and the learner's forwards use them (rollout routing replay, docs/moe.md).",
+    )
 
     @property
     def pause_mode(self) -> Literal["keep", "drain"]:
@@ -64,7 +69,7 @@ class RolloutSettings(BaseModel):
 # Which [rollout] values each service acts on. Two services are compared on the values both act on:
 # a router ignores group_size, so a router started with the default is no disagreement.
 USED_BY: dict[str, tuple[str, ...]] = {
-    "rollout-router": ("temperature", "top_p", "top_k", "partial_rollout"),
+    "rollout-router": ("temperature", "top_p", "top_k", "partial_rollout", "routing_replay"),
     "agent-pool": ("group_size", "groups_per_step", "max_staleness", "queue_max_length"),
     "learner": (
         "group_size",
@@ -75,6 +80,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
         "top_k",
         "partial_rollout",
         "queue_max_length",
+        "routing_replay",
     ),
     "weight-broadcaster": ("partial_rollout",),
 }

@@ -171,6 +171,7 @@ class RolloutSettings(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     PARTIAL_ROLLOUT_FIELD_NUMBER: _builtins.int
     QUEUE_MAX_LENGTH_FIELD_NUMBER: _builtins.int
+    ROUTING_REPLAY_FIELD_NUMBER: _builtins.int
     group_size: _builtins.int
     """Samples (episodes) per prompt, >= 1; advantages are taken per group."""
     groups_per_step: _builtins.int
@@ -189,6 +190,8 @@ class RolloutSettings(_message.Message):
     """True: a refit keeps in-flight requests, which resume under the new weights; false: drained."""
     queue_max_length: _builtins.int
     """Bound of the trajectory queue (groups not yet acknowledged) every producer must use."""
+    routing_replay: _builtins.bool
+    """MoE policies: engines capture routed experts, trajectories carry them, the learner replays them."""
     def __init__(
         self,
         *,
@@ -200,10 +203,11 @@ class RolloutSettings(_message.Message):
         top_k: _builtins.int = ...,
         partial_rollout: _builtins.bool = ...,
         queue_max_length: _builtins.int = ...,
+        routing_replay: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "groups_per_step", b"groups_per_step", "max_staleness", b"max_staleness", "partial_rollout", b"partial_rollout", "queue_max_length", b"queue_max_length", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "groups_per_step", b"groups_per_step", "max_staleness", b"max_staleness", "partial_rollout", b"partial_rollout", "queue_max_length", b"queue_max_length", "routing_replay", b"routing_replay", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
