@@ -97,7 +97,7 @@ def test_engine_capture_matches_a_reference_forward(tmp_path: Path) -> None:
     )
     assert child.returncode == 0, child.stderr[-4000:]
     report = json.loads(report_path.read_text())
-    assert report["shape"] == {"layers": 2, "top_k": 2}
+    assert report["shape"] == {"layers": 2, "top_k": 2, "experts": 8}
     assert report["preemptions"] > 0  # the capture mapped recomputed rows too
     assert report["taken_twice"] == []  # take_routing forgets what it returned
     assert len(report["requests"]) == len(PROMPTS)

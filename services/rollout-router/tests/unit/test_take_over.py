@@ -10,7 +10,7 @@ import pytest
 
 from molt.core.errors import WrongState
 from molt.router.config import RouterSettings
-from molt.router.engine_actor import EngineInfo
+from molt.router.engine_spec import EngineInfo
 
 
 def pool_over(*engines: tuple[int, bool]) -> Any:

@@ -132,7 +132,7 @@ async def _play(
         (sample,) = await router.generate(request)
         text = transcript.reply_text(sample.token_ids)
         reply: Message = {"role": "assistant", "content": text}
-        transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, reply)
+        transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, reply, sample.routing)
         result = await thread.call(env.step, text)
         reward += _reward(result.reward, "step()")
         if result.done:

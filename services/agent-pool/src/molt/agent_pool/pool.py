@@ -31,6 +31,7 @@ from molt.agent_pool.config import AgentPoolSettings
 from molt.agent_pool.episodes import Episode, EpisodeRunner, attempt
 from molt.agent_pool.prompts import PromptSource
 from molt.agent_pool.version_watch import VERSION_POLL_S
+from molt.core import expert_routing
 from molt.core.errors import Backpressure, InvalidInput
 from molt.core.queue import PutResult, TrajectoryQueue
 from molt.v1 import common_pb2
@@ -356,6 +357,7 @@ def build_group(
                 reward_components=episode.reward_components,
                 finish_reason=FINISH.get(episode.finish_reason, common_pb2.FINISH_REASON_STOP),
                 turn_count=segment.turns,
+                routed_experts=None if segment.full_routing is None else expert_routing.pack(segment.full_routing),
             )
             trajectory.create_time.CopyFrom(timestamp_pb2.Timestamp(seconds=int(episode.started)))
             trajectory.duration.CopyFrom(duration_pb2.Duration(nanos=0, seconds=int(episode.duration_s)))

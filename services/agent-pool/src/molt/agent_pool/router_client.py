@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
+from molt.core import expert_routing
 from molt.core.errors import InvalidInput, MoltError, Unavailable
 from molt.core.rollout import RolloutSettings
 from molt.core.serve import KEEPALIVE, error_info
@@ -30,6 +32,7 @@ class Sample:
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     finish_reason: str = ""
     stop_reason: str = ""
+    routing: np.ndarray | None = None  # [prompt + sampled tokens, layers, top_k] (``[rollout] routing_replay``)
 
     def extend(self, chunk: rollout_pb2.GenerateStreamResponse | rollout_pb2.Completion) -> None:
         self.token_ids += chunk.token_ids
@@ -39,6 +42,8 @@ class Sample:
         if chunk.finish_reason:
             self.finish_reason = FINISH_NAMES.get(chunk.finish_reason, "stop")
             self.stop_reason = chunk.stop_reason
+        if chunk.HasField("routed_experts"):
+            self.routing = expert_routing.unpack(chunk.routed_experts)
 
 
 @dataclass(frozen=True)

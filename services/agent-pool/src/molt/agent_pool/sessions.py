@@ -99,7 +99,9 @@ class Session:
         """Records the turn in the transcript; refused once the episode is over."""
         if self.closed:
             raise NotFound(f"session {self.id!r} ended before this turn finished: not recorded")
-        self.transcript.commit(plan, sample.token_ids, sample.logprobs, sample.versions, fmt.internal_reply(reply))
+        self.transcript.commit(
+            plan, sample.token_ids, sample.logprobs, sample.versions, fmt.internal_reply(reply), sample.routing
+        )
 
     def keep_reply(self, digest: str, reply: bytes | list[str]) -> None:
         """Keeps ``reply`` for an identical retry, dropping the oldest beyond CACHE_SIZE or CACHE_BYTES

@@ -9,6 +9,12 @@ template rewrites history, the tool list changed) the segment is sealed and a ne
 starts from the full rendering. Sampled ids are stored as the engine returned them,
 never re-encoded from text. A turn is planned first and committed only once its
 generation succeeded, so a failed or retried request leaves no trace.
+
+With ``[rollout] routing_replay`` every turn's reply carries the experts the engine routed the
+turn's prompt and sampled tokens to; a segment keeps, for each of its tokens, the routing of the
+first request that computed it (``expert_routing.first_wins``: a later turn recomputes the
+conversation so far, possibly under newer weights). A turn without routing leaves the segment
+without any (the learner then drops it as ``no_routing``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from molt.agent_pool.agents import Message
+from molt.core import expert_routing
 
 
 @dataclass
@@ -29,6 +38,22 @@ class Segment:
     loss_mask: list[bool] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: int = 0
+    routing: np.ndarray | None = None  # [len(token_ids()), layers, top_k] while every turn carried routing
+    routed_turns: int = 0  # turns whose routing is merged into ``routing``
+
+    def add_routing(self, routing: np.ndarray | None) -> None:
+        """Merges the latest turn's routing (over this segment's tokens, the turn's included). A turn
+        without routing (or with routing of another length) leaves the segment without any for good."""
+        if routing is None or len(routing) != len(self.token_ids()) or self.routed_turns != self.turns - 1:
+            self.routing = None
+            return
+        self.routing = expert_routing.first_wins(self.routing, routing)
+        self.routed_turns += 1
+
+    @property
+    def full_routing(self) -> np.ndarray | None:
+        """The segment's routing when every turn carried some, else None."""
+        return self.routing if self.turns and self.routed_turns == self.turns else None
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
@@ -96,9 +121,16 @@ class Transcript:
         return rendered[len(old_rendered) :]
 
     def commit(
-        self, plan: TurnPlan, token_ids: list[int], logprobs: list[float], versions: list[int], reply: Message
+        self,
+        plan: TurnPlan,
+        token_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        reply: Message,
+        routing: np.ndarray | None = None,
     ) -> None:
-        """Adds a generated turn: the planned prompt, the engine's sampled ids (loss mask 1) and the reply."""
+        """Adds a generated turn: the planned prompt, the engine's sampled ids (loss mask 1) and the reply;
+        ``routing``: the experts the request routed its prompt and sampled ids to (when captured)."""
         if plan.new_segment:
             self.segments.append(Segment(prompt_ids=plan.prompt_ids))
         segment = self.segments[-1]
@@ -106,6 +138,7 @@ class Transcript:
         segment.append(inserted, [0.0] * len(inserted), [self.version] * len(inserted), sampled=False)
         segment.append(list(token_ids), list(logprobs), list(versions), sampled=True)
         segment.turns += 1
+        segment.add_routing(routing)
         if versions:
             self.version = versions[-1]
         self.messages = [*plan.messages, reply]

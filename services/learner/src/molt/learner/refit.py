@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 
 from molt.core.errors import Unavailable
 from molt.core.serve import KEEPALIVE
@@ -53,6 +55,10 @@ def gather_for_refit(model: nn.Module, probe: list[int]) -> tuple[dict[str, Tens
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    if state and isinstance(model, PreTrainedModel):
+        # The checkpoint's names and layout, which the engine loads: transformers fuses some tensors
+        # in memory (an MoE block's experts into 3-D gate_up_proj / down_proj) and splits them on save.
+        state = revert_weight_conversion(model, state)
     if len(probe) < 2:
         return state, []
     device = next(model.parameters()).device

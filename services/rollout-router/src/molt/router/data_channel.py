@@ -52,6 +52,7 @@ class Chunk:
     top_logprobs: list[tuple[list[int], list[float]]]
     finish_reason: str | None  # "stop" | "length" | "abort" on the sample's last chunk
     stop_reason: str
+    routing: bytes = b""  # on the last chunk with routing capture: a serialized molt.v1.ExpertRouting
 
 
 @dataclass(frozen=True)

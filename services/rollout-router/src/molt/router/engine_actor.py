@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -20,7 +21,6 @@ import pickle
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 from uuid import uuid4
 
@@ -38,6 +38,8 @@ from molt.router.data_channel import (
     keep_alive,
     read_frame,
 )
+from molt.router.engine_routing import EngineRouting
+from molt.router.engine_spec import EngineInfo, EngineSpec
 from molt.router.sampling import Sampling, vllm_params
 from molt.router.version_counts import UTILITY, CountedVersions
 from molt.router.versioned_chunks import chunks_of, token_versions
@@ -45,35 +47,6 @@ from molt.router.versioned_chunks import chunks_of, token_versions
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "molt.router.worker_extension.EngineWorker"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """How to build one engine (plain values: it travels to the Ray actor)."""
-
-    engine_id: str
-    model_path: Path
-    tensor_parallel_size: int
-    max_model_len: int
-    gpu_memory_utilization: float
-    seed: int
-    dtype: str
-    stream_interval: int
-    engine_args: dict[str, Any]
-    wait: Literal["spin", "sleep"] = "spin"  # how vLLM's own processes wait for each other (molt.router.vllm_wait)
-    version_source: Literal["auto", "labels", "counts"] = "auto"  # how tokens get their version (_versions)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the served model accepts, and the engine's state (a restarted router attaching to a detached
-    engine takes its policy version and pause over)."""
-
-    engine_id: str
-    vocab_size: int
-    max_model_len: int
-    policy_version: int = 0
-    paused: bool = False  # paused by a router and not resumed by one since
 
 
 @dataclass(frozen=True)
@@ -103,6 +76,7 @@ class EngineActor:
         self.opening = asyncio.Lock()  # two ``channel`` calls at once open one server
         self.stall_watch: StallWatch | None = None
         self.counted: CountedVersions | None = None  # versions from token counts (a vLLM without labels)
+        self.routing: EngineRouting | None = None  # routed-expert capture (molt.router.engine_routing)
 
     async def start(self) -> EngineInfo:
         """Builds the vLLM engine (it loads the model, which takes a while); idempotent."""
@@ -126,6 +100,8 @@ class EngineActor:
             )
             self.llm = AsyncLLM.from_engine_args(args)
             self._choose_version_source()
+            if self.spec.routing_capture:
+                self.routing = await EngineRouting.start(self.llm, self.spec.engine_id)
             await self._label(self.policy_version)
             if self.stall_watch is None:  # after the build, which blocks this loop on purpose (imports, load)
                 self.stall_watch = StallWatch(f"engine actor {self.spec.engine_id}")
@@ -302,9 +278,16 @@ class EngineActor:
             async for output in outputs:
                 for completion in output.outputs:
                     if completion.token_ids or completion.finish_reason is not None:
-                        versions = self._versions(request_id, completion, sent[completion.index])
-                        sent[completion.index] += len(completion.token_ids)
-                        for chunk in chunks_of(completion, versions, sampling.top_logprob_count, self.policy_version):
+                        index = completion.index
+                        versions = self._versions(request_id, completion, sent[index])
+                        sent[index] += len(completion.token_ids)
+                        chunks = chunks_of(completion, versions, sampling.top_logprob_count, self.policy_version)
+                        if completion.finish_reason is not None and self.routing is not None:
+                            routing = await self.routing.take(
+                                self.llm, request_id, index, sampling.sample_count, len(prompt_token_ids) + sent[index]
+                            )
+                            chunks[-1] = dataclasses.replace(chunks[-1], routing=routing)
+                        for chunk in chunks:
                             yield chunk
 
     def _versions(self, request_id: str, completion: Any, start: int) -> list[int]:
@@ -319,10 +302,9 @@ class EngineActor:
 
         With ``clear_cache`` the KV cache is cleared, so suspended requests recompute their prefix under
         the new weights; without it they continue over the old weights' KV (``[router.pause] kv_cache``).
-        Calls the engine core directly: vLLM's ``pause_generation`` adds a multimodal cache reset (no
-        such inputs here) and a fixed sleep so that outputs already on their way are handed out
-        before it returns, which nothing here needs (tokens get their version from the engine's
-        labels, not from when they arrive) and which would lengthen every refit's pause.
+        Calls the engine core directly: vLLM's ``pause_generation`` adds a multimodal cache reset and a
+        fixed sleep for outputs on their way, which nothing here needs (tokens get their version from
+        the engine's labels, not from when they arrive) and which would lengthen every refit's pause.
         """
         await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
         self.paused = True

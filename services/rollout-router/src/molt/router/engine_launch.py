@@ -21,7 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.core.errors import ConfigError
 from molt.router.config import RouterSettings
-from molt.router.engine_actor import EngineActor, EngineSpec
+from molt.router.engine_actor import EngineActor
+from molt.router.engine_spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,25 @@ def check_engine_args(settings: RouterSettings, use_gpu: bool) -> None:
             'router.pause.kv_cache = "keep" needs prefix caching off (new requests would reuse blocks the old '
             "weights wrote); remove router.engine.engine_args.enable_prefix_caching"
         )
+    if settings.rollout.routing_replay:
+        for name, needed in ROUTING_CAPTURE_ARGS.items():
+            if engine.engine_args.get(name, needed) != needed:
+                raise ConfigError(
+                    f"[rollout] routing_replay needs router.engine.engine_args.{name} = {needed!r} (the engine "
+                    "captures routed experts in eager mode, from forwards over every token: docs/moe.md); remove "
+                    f"{name} from engine_args"
+                )
     if not use_gpu and engine.engine_args.get("enable_chunked_prefill"):
         raise ConfigError(
             "router.engine.engine_args.enable_chunked_prefill is not safe on CPU engines: vLLM rewinds a seeded "
             "request's random generator after a partial prefill, which CPU generators cannot do, and the "
             "engine dies; remove it"
         )
+
+
+# What routed-expert capture (molt.router.expert_capture) needs of the engine: prompt tokens served from
+# the prefix cache run no forward, and a compiled CPU engine traced its MoE blocks without the hook.
+ROUTING_CAPTURE_ARGS = {"enable_prefix_caching": False, "enforce_eager": True}
 
 
 def check_engine_nodes(settings: RouterSettings, use_gpu: bool) -> None:
@@ -105,6 +119,8 @@ def engine_spec(settings: RouterSettings, engine_id: str, use_gpu: bool) -> Engi
     extra: dict[str, Any] = {"distributed_executor_backend": "ray"} if use_gpu and tp > 1 else {}
     if settings.pause.kv_cache == "keep":
         extra["enable_prefix_caching"] = False
+    if settings.rollout.routing_replay:
+        extra.update(ROUTING_CAPTURE_ARGS)
     if not use_gpu:
         # vLLM rewinds a seeded request's generator (set_offset) when a step only prefilled part of it,
         # which a CPU generator refuses: the engine died once seeded prompts overran a step's token
@@ -122,6 +138,7 @@ def engine_spec(settings: RouterSettings, engine_id: str, use_gpu: bool) -> Engi
         engine_args={**extra, **engine.engine_args},
         wait=engine.wait if engine.wait != "auto" else ("spin" if use_gpu else "sleep"),
         version_source=engine.version_source,
+        routing_capture=settings.rollout.routing_replay,
     )
 
 

@@ -25,8 +25,8 @@ from molt.core.errors import Aborted, ConfigError, InvalidInput, TimedOut, Unava
 from molt.router import metrics
 from molt.router.config import RouterSettings
 from molt.router.data_channel import Chunk, EngineLinks, Failure, Submission
-from molt.router.engine_actor import EngineInfo
 from molt.router.engine_launch import check_engine_args, check_engine_nodes, start_or_attach, stop_engines
+from molt.router.engine_spec import EngineInfo
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
 

@@ -66,6 +66,10 @@ class RoutingRecorder:
         self.requests: dict[str, RequestRouting] = {}
         self.finished: deque[str] = deque()
         self.forgotten = 0
+        self.experts = 0  # experts per MoE layer (0: not known)
+
+    def shape(self) -> dict[str, int]:
+        return {"layers": self.layers, "top_k": self.top_k, "experts": self.experts}
 
     def begin(self) -> None:
         self.step = {}
@@ -137,7 +141,7 @@ class RoutingCapture:
         """Binds the recorder to every MoE router and wraps ``execute_model``; idempotent. Refuses a
         model without MoE routers (vLLM's binder raises) and prefix caching (module docstring)."""
         if getattr(self, "_molt_routing", None) is not None:
-            return {"layers": self._molt_routing.layers, "top_k": self._molt_routing.top_k}
+            return self._molt_routing.shape()
         from vllm.config import CompilationMode
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
@@ -158,6 +162,7 @@ class RoutingCapture:
             raise ValueError("routed-expert capture does not handle speculative decoding; turn it off")
         config = runner.model_config
         recorder = RoutingRecorder(config.get_total_num_hidden_layers(), config.get_num_experts_per_tok())
+        recorder.experts = config.get_num_experts()
         bind_routed_experts_capturer(runner.model, recorder)
         execute = runner.execute_model
 
@@ -170,7 +175,7 @@ class RoutingCapture:
 
         runner.execute_model = execute_and_record
         self._molt_routing = recorder
-        return {"layers": recorder.layers, "top_k": recorder.top_k}
+        return recorder.shape()
 
     def take_routing(self, token_counts: dict[str, int]) -> dict[str, dict[str, Any]]:
         """``RoutingRecorder.take`` of this worker's capture (``start_routing_capture`` first)."""

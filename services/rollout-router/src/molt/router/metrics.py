@@ -23,3 +23,8 @@ SUBMIT_BATCH = Histogram(
     "Requests handed to an engine per data-channel frame (those arriving in one pass of the event loop go together).",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+ROUTING_BYTES = Counter(
+    "molt_router_routing_bytes_total",
+    "Bytes of routed-expert ids returned ([rollout] routing_replay); per token: divide by routing_tokens.",
+)
+ROUTING_TOKENS = Counter("molt_router_routing_tokens_total", "Tokens (prompt + sampled) whose routing was returned.")

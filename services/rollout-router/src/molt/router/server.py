@@ -49,6 +49,16 @@ def _top_logprobs(chunk: Chunk) -> list[rollout_pb2.TopLogprobs]:
     return [rollout_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in chunk.top_logprobs]
 
 
+def _routing(chunk: Chunk) -> common_pb2.ExpertRouting | None:
+    """The routed experts a sample's last chunk carries (``[rollout] routing_replay``), counted."""
+    if not chunk.routing:
+        return None
+    routing = common_pb2.ExpertRouting.FromString(chunk.routing)
+    metrics.ROUTING_BYTES.inc(len(routing.ids))
+    metrics.ROUTING_TOKENS.inc(len(routing.ids) // (routing.layer_count * routing.top_k * routing.id_bytes))
+    return routing
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Maps RolloutService calls onto the EnginePool."""
 
@@ -85,6 +95,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             if chunk.finish_reason is not None:
                 completion.finish_reason = FINISH_REASONS.get(chunk.finish_reason, common_pb2.FINISH_REASON_STOP)
                 completion.stop_reason = chunk.stop_reason
+                if (routing := _routing(chunk)) is not None:
+                    completion.routed_experts.CopyFrom(routing)
         return rollout_pb2.GenerateResponse(
             request_id=request.request_id, completions=completions, engine_id=engine, prompt_token_count=len(prompt)
         )
@@ -106,6 +118,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 finish_reason=FINISH_REASONS.get(chunk.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
                 stop_reason=chunk.stop_reason,
                 engine_id=engine,
+                routed_experts=_routing(chunk),
             )
 
     @grpc_errors(DOMAIN)
