@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from molt.core import expert_routing
 from molt.learner.batch import assemble, batch_stats, build_group, padded
 from molt.learner.synthetic import UNIFORM_LOGPROB, named_group, trajectory
 from molt.learner.synthetic import group_of as make_group_of
@@ -144,3 +146,24 @@ def test_a_producers_bug_is_reported_before_staleness() -> None:
     assert build(group, version=5).dropped == {"invalid_logprob": 2}
     group.trajectories[0].rollout_logprobs[0] = -0.5
     assert build(group, version=5).dropped == {"stale": 2}
+
+
+def test_under_routing_replay_a_sample_without_usable_routing_is_dropped() -> None:
+    """Replay on for a policy of 2 layers, top-2: a sample carrying routing of its 3 tokens is kept with
+    it unpacked; one with none, one whose routing covers 2 tokens and one of 3 layers are dropped as
+    no_routing. With replay off (no routing_shape) all four are kept and routing is not read."""
+    ids = np.arange(12, dtype=np.int16).reshape(3, 2, 2) % 8
+    ids[-1] = -1  # the last token was never fed to the engine
+    good, missing, short, deep = (trajectory(name, [1, 2], [3]) for name in ("good", "missing", "short", "deep"))
+    good.routed_experts.CopyFrom(expert_routing.pack(ids, num_experts=8))
+    short.routed_experts.CopyFrom(expert_routing.pack(ids[:2], num_experts=8))
+    deep.routed_experts.CopyFrom(expert_routing.pack(np.zeros((3, 3, 2), dtype=np.int16), num_experts=8))
+    group = make_group_of("g", [good, missing, short, deep])
+    kw = {"vocab_size": VOCAB, "current_version": 0, "max_staleness": 1, "consumed": set(), "needs_groups": True}
+    outcome = build_group(group, **kw, routing_shape=(2, 2))
+    assert [s.trajectory_id for s in outcome.samples] == ["good"]
+    assert outcome.dropped == {"no_routing": 3}
+    routing = outcome.samples[0].routing
+    assert routing is not None and torch.equal(routing, torch.from_numpy(ids))
+    off = build_group(group, **kw)
+    assert len(off.samples) == 4 and all(s.routing is None for s in off.samples)

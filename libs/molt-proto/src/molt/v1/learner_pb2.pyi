@@ -143,7 +143,7 @@ class GetLearnerStatusResponse(_message.Message):
         """Groups skipped whole (none of their samples trained on; acknowledged and recorded in the run's
         skipped set, docs/queue.md), by the reason that dropped them: the first, in precedence order,
         of invalid_token, invalid_logprob, group_of_one, duplicate, too_long, no_loss_tokens,
-        future_version, stale. Counted since this learner process started.
+        no_routing, future_version, stale. Counted since this learner process started.
         """
 
     def __init__(

@@ -9,7 +9,9 @@ an ``[S, T]`` grid for the step-wide statistics (advantages, aggregation weights
 Token arrays use the *next-token* axis: entry ``k`` of ``loss_mask``,
 ``rollout_logprobs`` and ``policy_versions`` describes ``input_ids[k + 1]``, the
 token the model predicts from position ``k``. The prompt is never empty (the
-queue checks it), so every response token has a predecessor.
+queue checks it), so every response token has a predecessor. ``Sample.routing``
+(routing replay, docs/moe.md) is on the token axis instead: row ``t`` holds the
+experts used when ``input_ids[t]`` was the model's input.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from molt.core import expert_routing
 from molt.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ DropReason = Literal[
     "too_long",
     "duplicate",
     "no_loss_tokens",
+    "no_routing",
     "group_of_one",
 ]  # the loop adds "refused_step": samples of a step the trainer refused (a non-finite value)
 
@@ -52,6 +56,8 @@ class Sample:
     rollout_logprobs: Tensor  # [L - 1] float32, next-token axis; 0 off the mask
     policy_versions: Tensor  # [L - 1] int64, next-token axis; the prompt positions repeat the first version
     reward: float
+    # [L, layers, top_k] int16 (-1: none), token axis: the engine's experts, read only under routing replay
+    routing: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -101,6 +107,21 @@ def _invalid_token(group: common_pb2.TrajectoryGroup, vocab_size: int) -> str | 
     return f"token id {int(ids[bad[0, 0]])} is outside the vocabulary [0, {vocab_size})"
 
 
+def _routing(t: common_pb2.Trajectory, shape: tuple[int, int]) -> Tensor | str:
+    """The trajectory's routing, ``[L, layers, top_k]`` int16, or what makes it unusable for a policy of
+    ``shape`` = (decoder layers, experts per token)."""
+    if not t.HasField("routed_experts"):
+        return "the trajectory carries no routed_experts"
+    routing = t.routed_experts
+    wrong = expert_routing.problem(routing, len(t.prompt_token_ids) + len(t.response_token_ids))
+    if wrong is None and (routing.layer_count, routing.top_k) != shape:
+        wrong = (
+            f"routed_experts has {routing.layer_count} layers and top_k {routing.top_k}; "
+            f"the policy has {shape[0]} and {shape[1]}"
+        )
+    return wrong if wrong is not None else torch.from_numpy(expert_routing.unpack(routing))
+
+
 # Why samples are dropped, in the order they are checked: a group's first reason names it.
 DROP_REASONS = (
     "invalid_token",
@@ -109,6 +130,7 @@ DROP_REASONS = (
     "duplicate",
     "too_long",
     "no_loss_tokens",
+    "no_routing",
     "future_version",
     "stale",
 )
@@ -149,19 +171,23 @@ def build_group(
     needs_groups: bool,
     key: str | None = None,
     max_length: int | None = None,
+    routing_shape: tuple[int, int] | None = None,
 ) -> GroupOutcome:
     """Samples of ``group`` that may be trained on at ``current_version``; the rest counted by reason.
 
     A producer's bug drops the whole group before anything else is looked at, so it is reported as
     what it is (docs/queue.md, "Drop reasons"): ``invalid_token``, then ``invalid_logprob``, then
     ``group_of_one``; then each sample on its own: ``duplicate``, ``too_long``, ``no_loss_tokens``,
-    ``future_version``, ``stale``.
+    ``no_routing``, ``future_version``, ``stale``.
 
     ``consumed``: trajectory ids already trained on (a re-delivered entry after a crash).
     ``needs_groups``: the estimator normalises within a group, so a group produced with
     ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
     ``key``: the group's identity in the step (the queue entry id; default its ``group_id``).
     ``max_length``: the most prompt + response tokens of a sample trained on (longer: "too_long").
+    ``routing_shape``: (decoder layers, experts per token) of the policy when routing replay is on: a
+    sample must carry readable ``routed_experts`` of that shape over all its tokens ("no_routing"),
+    kept in ``Sample.routing``; None (replay off): routing is not read.
     Entries that reuse a ``group_id`` or ``rollout_id`` are never merged.
     """
     whole = _whole_group_problem(group, vocab_size, needs_groups)
@@ -187,6 +213,16 @@ def build_group(
         if not sample.loss_tokens:
             dropped["no_loss_tokens"] += 1
             continue
+        if routing_shape is not None:
+            routing = _routing(trajectory, routing_shape)
+            if isinstance(routing, str):
+                log.warning(
+                    "dropping a sample without usable expert routing (routing replay is on)",
+                    extra={"trajectoryId": trajectory.trajectory_id, "problem": routing},
+                )
+                dropped["no_routing"] += 1
+                continue
+            sample = replace(sample, routing=routing)
         versions = sample.policy_versions[sample.loss_mask]
         if int(versions.max()) > current_version:
             log.warning(

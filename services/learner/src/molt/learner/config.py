@@ -175,6 +175,12 @@ class LearnerSettings(ServiceSettings):
         description="Mixture-of-experts policy: no gradient reaches the routers (the gate weights that pick "
         "each token's experts); the experts and everything else still train. Refused for a dense model.",
     )
+    compare_unreplayed: bool = Field(
+        True,
+        description="[rollout] routing_replay: also score each micro-batch without replay to report "
+        "vllm_kl_unreplayed, the engine/learner mismatch replay removes; costs one extra forward without "
+        "gradient per micro-batch. No effect without routing replay.",
+    )
     micro_batch_layout: Literal["auto", "packed", "padded"] = Field(
         "auto",
         description="padded (auto): one sequence per row, plain causal attention (flash kernels on GPU); packed: "
@@ -251,6 +257,11 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
         problems.append(f"algorithm.teacher_path is only used by on_policy_distill, not {algo.estimator!r}")
     if algo.loss == "gspo" and algo.dual_clip is not None:
         problems.append("dual_clip is defined for token ratios only; gspo takes none")
+    if settings.rollout.routing_replay and settings.compile:
+        problems.append(
+            "rollout.routing_replay with compile = true: replay hooks every MoE router, and hooks added to "
+            "compiled decoder layers are not seen by the compiled graph; set compile = false"
+        )
     if settings.mode == "sft" and settings.sft is None:
         problems.append("mode = 'sft' needs an [learner.sft] table with data_path")
     if settings.mode == "sft" and settings.data_parallel_size > 1:

@@ -186,6 +186,7 @@ class LearnerLoop:
                 needs_groups=needs_groups,
                 key=entry.entry_id,
                 max_length=self.trainer.max_length,
+                routing_shape=self.trainer.routing_shape,
             )
             self._count_drops(outcome.dropped)
             if outcome.samples:

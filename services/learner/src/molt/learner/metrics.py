@@ -44,7 +44,10 @@ STEP_GAUGES = {
         "clip_fraction": "Fraction of loss tokens where the clipped surrogate was chosen.",
         "is_ratio_mean": "Mean trainer/engine probability ratio.",
         "is_filter_ratio": "Fraction of IS units rejected (masked).",
-        "vllm_kl": "k1 estimate of KL(rollout || trainer).",
+        "vllm_kl": "k1 estimate of KL(rollout || trainer); under routing replay, with the engine's experts.",
+        "vllm_kl_unreplayed": "vllm_kl of the same micro-batches without routing replay (compare_unreplayed).",
+        "routing_agreement": "Fraction of (token, MoE layer) cells where the trainer's router picks the engine's "
+        "experts (routing replay).",
         "kl": "KL estimate to the reference model.",
         "entropy": "Mean next-token entropy over loss tokens.",
         "grad_norm": "Gradient norm before clipping.",

@@ -129,3 +129,16 @@ def micro_loss(inputs: MicroInputs, algo: AlgorithmSettings, scale: float) -> tu
             per_token = per_token - algo.entropy_coef * inputs.entropy
     loss = aggregate(per_token, inputs.loss_mask, inputs.weights) * scale
     return loss, {k: v.detach().to(torch.float64) for k, v in stats.items()}
+
+
+def advantage_stats(advantages: Tensor, loss_mask: Tensor) -> dict[str, float]:
+    """Mean, std, min and max of the advantages over the step's loss tokens."""
+    values = advantages[loss_mask.bool()].double()
+    if not values.numel():
+        return {}
+    return {
+        "advantage/mean": float(values.mean()),
+        "advantage/std": float(values.std(unbiased=False)),
+        "advantage/min": float(values.min()),
+        "advantage/max": float(values.max()),
+    }

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from molt.core.errors import ConfigError
 from molt.learner.packing import Packed
+from molt.learner.ranks import to_device
 
 # Routers whose forward is softmax over all experts, top-k, then (norm_topk_prob) renormalised, returning
 # (logits, weights, ids): the semantics ``_replayed`` reproduces. Matched by class ancestry (FSDP2 subclasses).
@@ -71,9 +72,12 @@ def freeze_router(model: nn.Module) -> int:
 @dataclass
 class Routing:
     """What ``routed`` saw in its block: the routers' own top-k, ``[tokens, layers, top_k]`` int64 on
-    the CPU, ``-1`` at layers without a router; empty until a forward ran."""
+    the forward's device (a copy to the host per layer would stall a GPU), ``-1`` at layers without a
+    router, empty until a forward ran; and the routing replayed, as the forward used it (on its device),
+    None without replay."""
 
     own: Tensor
+    given: Tensor | None = None
 
 
 def _replayed(router: nn.Module, logits: Tensor, own: Tensor, given: Tensor) -> tuple[Tensor, Tensor]:
@@ -111,20 +115,21 @@ def routed(model: nn.Module, replay: Tensor | None = None) -> Iterator[Routing]:
     layers = int(model.config.num_hidden_layers)
     if replay is not None:
         _check(replay, layers, routers)
-    routing = Routing(own=torch.empty((0, layers, 0), dtype=torch.int64))
+        replay = to_device(replay, next(model.parameters()).device)  # once, not once per layer
+    routing = Routing(own=torch.empty((0, layers, 0), dtype=torch.int64), given=replay)
 
     def hook_for(layer: int) -> Callable[[nn.Module, object, tuple[Tensor, Tensor, Tensor]], tuple[Tensor, ...]]:
         def hook(router: nn.Module, args: object, output: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, ...]:
             logits, weights, own = output
             tokens, top_k = own.shape
             if routing.own.shape[0] != tokens or routing.own.shape[2] != top_k:
-                routing.own = torch.full((tokens, layers, top_k), -1, dtype=torch.int64)
-            routing.own[:, layer] = own.detach().cpu()
+                routing.own = torch.full((tokens, layers, top_k), -1, dtype=torch.int64, device=own.device)
+            routing.own[:, layer] = own.detach()
             if replay is None:
                 return output
             if replay.shape[0] != tokens:
                 raise ValueError(f"routing to replay covers {replay.shape[0]} tokens; the forward has {tokens}")
-            ids, weights = _replayed(router, logits, own, replay[:, layer].to(own.device))
+            ids, weights = _replayed(router, logits, own, replay[:, layer])
             return logits, weights, ids
 
         return hook
@@ -137,17 +142,26 @@ def routed(model: nn.Module, replay: Tensor | None = None) -> Iterator[Routing]:
             handle.remove()
 
 
-def routing_agreement(own: Tensor, given: Tensor) -> float:
-    """The fraction of (token, layer) cells where the learner's own top-k *set* equals the given one,
-    over the cells where both hold a choice (no ``-1``). ``[N, layers, k]`` twice; ``ValueError`` when
-    the shapes differ or no cell can be compared."""
+def agreeing_cells(own: Tensor, given: Tensor) -> tuple[Tensor, Tensor]:
+    """How many (token, layer) cells hold a choice (no ``-1``) in both routings, and in how many of
+    those the learner's own top-k *set* equals the given one: ``(agreeing, compared)``, int64 scalars on
+    ``own``'s device (no host sync). ``[N, layers, k]`` twice; ``ValueError`` when the shapes differ."""
     if own.shape != given.shape:
         raise ValueError(f"routing shapes differ: {tuple(own.shape)} and {tuple(given.shape)}")
+    given = given.to(own.device)
     comparable = (own >= 0).all(-1) & (given >= 0).all(-1)
-    if not bool(comparable.any()):
-        raise ValueError("no (token, layer) cell holds a choice in both routings")
     same = (own.sort(-1).values == given.sort(-1).values).all(-1)
-    return float(same[comparable].double().mean())
+    return (same & comparable).sum(), comparable.sum()
+
+
+def routing_agreement(own: Tensor, given: Tensor) -> float:
+    """The fraction of (token, layer) cells where the learner's own top-k *set* equals the given one,
+    over the cells where both hold a choice (``agreeing_cells``); ``ValueError`` when the shapes differ
+    or no cell can be compared."""
+    agreeing, compared = agreeing_cells(own, given)
+    if not int(compared):
+        raise ValueError("no (token, layer) cell holds a choice in both routings")
+    return int(agreeing) / int(compared)
 
 
 def sequence_routing(prompt_tokens: int, response: Tensor, prompt: Tensor | None = None) -> Tensor:

@@ -3,10 +3,11 @@
 ``Trainer.train_step(batch)`` runs the RL step on the global batch (every rank
 gets the same ``StepBatch`` and trains its share from ``packing.plan``):
 advantages and aggregation weights over the whole step, then per micro-batch a
-forward, the loss of ``objective.micro_loss`` and a backward (gradients
-accumulate), then grad-norm clipping, AdamW and the scheduler; with ``gae`` the
-critic's update follows (``critic.py``). The models come from ``models.py``:
-FSDP2-sharded over several ranks, the reference and teacher frozen full copies.
+forward (under routing replay with the engine's experts, ``replay.py``), the
+loss of ``objective.micro_loss`` and a backward (gradients accumulate), then
+grad-norm clipping, AdamW and the scheduler; with ``gae`` the critic's update
+follows (``critic.py``). The models come from ``models.py``: FSDP2-sharded over
+several ranks, the reference and teacher frozen full copies.
 
 The weights after step ``s`` are policy version ``s + version_offset``.
 """
@@ -18,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -37,6 +39,7 @@ from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, toke
 from molt.learner.models import compile_layers, load_policy, model_context, resolve_backend, shard
 from molt.learner.objective import (
     MicroInputs,
+    advantage_stats,
     distill_advantages,
     gae_targets,
     micro_loss,
@@ -45,6 +48,7 @@ from molt.learner.objective import (
 )
 from molt.learner.packing import Layout, Packed, layout_of, plan, resolve_layout
 from molt.learner.ranks import SINGLE, RankInfo, device_for, to_device
+from molt.learner.replay import StepReplay, replay_shape
 from molt.learner.routing import freeze_router
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,8 @@ class Trainer:
         self.model = load(settings.model_path, trainable=True)
         if settings.freeze_router:  # before sharding and the optimizer: both see which weights train
             log.info("router frozen", extra={"parameters": freeze_router(self.model)})
+        # Under routing replay each sample must carry routing of this shape (build_group); None: replay off.
+        self.routing_shape = replay_shape(self.model, self.backend) if settings.rollout.routing_replay else None
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_length: int | None = settings.max_sequence_tokens or model_context(self.model.config)
         dtype = str(next(self.model.parameters()).dtype)
@@ -182,10 +188,16 @@ class Trainer:
             loss, stats = micro_loss(inputs, algo, float(self.rank.world_size))
             return loss, {**stats, **extra}
 
+        temperature = self.settings.rollout.temperature
+        replay = None
+        if self.routing_shape is not None:
+            replay = StepReplay(self.model, samples, temperature, self.head, compare=self.settings.compare_unreplayed)
         objective, stats, norm = self._accumulate(
-            samples, loss_of, self.settings.rollout.temperature, entropy=True, after_first_forward=host
+            samples, loss_of, temperature, entropy=True, after_first_forward=host, replay=replay
         )
         metrics = {**host().stats, **stats, "loss/objective": objective, **self._optimizer_step(norm)}
+        if replay is not None:
+            metrics.update(replay.stats(self._sum_over_ranks))
         if old_values is not None:
             returns = host().returns
             assert returns is not None
@@ -269,6 +281,7 @@ class Trainer:
         *,
         entropy: bool,
         after_first_forward: Callable[[], object] = lambda: None,
+        replay: StepReplay | None = None,
     ) -> tuple[float, dict[str, float], Tensor]:
         """Forward + backward of this rank's micro-batches, then the gradients clipped to ``max_grad_norm``;
         returns the summed loss and token-mean stats of the whole step (reduced over ranks) and the
@@ -276,7 +289,8 @@ class Trainer:
         micro-batch, and the objective's value checks are settled once, before any optimizer step but after
         the clipping is queued, so while the host waits there the GPU still has the clipping to run.
         ``after_first_forward`` runs on every rank once the first forward is queued (an idle rank's too),
-        before any backward: what it raises stops every rank at the same point."""
+        before any backward: what it raises stops every rank at the same point. With ``replay`` the
+        policy's forwards use the samples' routing (``StepReplay.forward``)."""
         my_plan = self._plan(samples, self.rank.world_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, Tensor] = {}
@@ -287,12 +301,16 @@ class Trainer:
                 for index, rows in enumerate(my_plan[self.rank.rank]):
                     between = after_first_forward if index == 0 else None
                     if not rows:
+                        if replay is not None:
+                            replay.idle()
                         self._idle_backward(between)
                         continue
-                    with record_function("molt/forward"):
+                    micro = self._micro(samples, rows)
+                    replayed = replay.forward(rows, micro) if replay is not None else nullcontext()
+                    with record_function("molt/forward"), replayed:
                         logprobs, entropies = token_logprobs(
                             self.model,
-                            self._micro(samples, rows),
+                            micro,
                             len(rows),
                             temperature,
                             entropy=entropy,
@@ -373,16 +391,3 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"grad_norm": float(grad_norm), "lr": lr}
-
-
-def advantage_stats(advantages: Tensor, loss_mask: Tensor) -> dict[str, float]:
-    """Mean, std, min and max of the advantages over the step's loss tokens."""
-    values = advantages[loss_mask.bool()].double()
-    if not values.numel():
-        return {}
-    return {
-        "advantage/mean": float(values.mean()),
-        "advantage/std": float(values.std(unbiased=False)),
-        "advantage/min": float(values.min()),
-        "advantage/max": float(values.max()),
-    }
