@@ -51,10 +51,11 @@ def start_router(
     dtype: str = "float32",
     gpu_memory_utilization: float | None = None,
     engine_args: dict[str, Any] | None = None,
+    rollout: dict[str, Any] | None = None,
 ) -> tuple[ServiceProcess, str]:
     """Starts ``molt-router`` on ``model`` (``dtype``, eager unless ``engine_args`` says otherwise) and waits
     until it serves; returns it and its address. ``engine_args`` pass through to vLLM as the recipe's
-    ``[router.engine] engine_args`` do."""
+    ``[router.engine] engine_args`` do; ``rollout`` adds values to the ``[rollout]`` table."""
     from molt.core.ports import free_port
     from molt.core.processes import ServiceProcess
 
@@ -69,7 +70,11 @@ def start_router(
         + (f"gpu_memory_utilization = {gpu_memory_utilization}\n" if gpu_memory_utilization else "")
         + (f"stream_interval = {stream_interval}\n" if stream_interval else "")
         + (f'wait = "{wait}"\n' if wait else "")
-        + f"[router.sampling]\ntemperature = {temperature}\nmax_tokens_cap = {max_tokens_cap}\n"
+        + f"[router.sampling]\nmax_tokens_cap = {max_tokens_cap}\n"
+        + "[rollout]\n"
+        + "".join(
+            f"{key} = {json.dumps(value)}\n" for key, value in {"temperature": temperature, **(rollout or {})}.items()
+        )
     )
     router = ServiceProcess(
         [sys.executable, "-m", "molt.router", "--config", str(recipe)],

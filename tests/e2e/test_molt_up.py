@@ -15,6 +15,7 @@ checkpoint behind the engines and numbers its versions on after theirs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,9 +26,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from molt.core import expert_routing
 from molt.core.ports import free_port
 from molt.core.processes import log_records, log_tail
 from molt.core.testing import RedisServer
+from molt.core.tiny_model import build
 from molt.v1 import common_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -176,6 +179,36 @@ def test_the_math_recipe_trains_on_its_parquet_and_evaluates_on_its_jsonl(
     passes = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [p["policy_version"] for p in passes] == [0, versions[-1]]
     assert all(p["episodes"] + p["failed"] == 100 and p["failed"] == 0 for p in passes)
+
+
+def test_the_moe_recipe_replays_the_engines_routing(
+    tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """``molt up recipes/tiny-moe-cpu.toml`` shortened, on a freshly built tiny MoE: the engines capture
+    every token's experts, the trajectories carry them and the learner replays them. Checked: the
+    learner's steps and refits, every queued trajectory's routing covering its prompt and response
+    tokens, every step reporting ``routing_agreement`` and ``vllm_kl`` with and without replay, no
+    sample dropped for missing routing, and no trajectory lost or counted twice."""
+    run_id = "e2e-moe"
+    run_dir = tmp_path / "run"
+    model = build(tmp_path / "tiny-moe", moe=True, arch="qwen3")
+    extra = {"learner.max_steps": str(STEPS), "learner.checkpoint_every": "2", **cadence(3)}
+    run_to_the_end(molt_up_args(run_dir, run_id, model, redis_server.url, extra, "tiny-moe-cpu"), tmp_path)
+    _, versions = trained_and_published(run_dir, 3)
+    check_accounting(redis_client, run_id, run_dir, STEPS, versions[-1])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.5 < row["routing_agreement"] <= 1.0 for row in rows)  # fp32 on both sides: nearly all agree
+    assert all(math.isfinite(row["vllm_kl"]) and math.isfinite(row["vllm_kl_unreplayed"]) for row in rows)
+    assert "dropped/no_routing" not in rows[-1]
+    queued = 0
+    for _, fields in redis_client.xrange(f"molt:{run_id}:trajectories"):
+        for trajectory in common_pb2.TrajectoryGroup.FromString(fields[b"group"]).trajectories:
+            tokens = len(trajectory.prompt_token_ids) + len(trajectory.response_token_ids)
+            assert expert_routing.problem(trajectory.routed_experts, tokens) is None
+            routing = expert_routing.unpack(trajectory.routed_experts)
+            assert routing.shape[1:] == (2, 2) and (routing[:-1] >= 0).all() and (routing[-1] == -1).all()
+            queued += 1
+    assert queued
 
 
 def newest_step(run_dir: Path) -> int:

@@ -71,8 +71,10 @@ class LauncherSettings(BaseModel):
         False, description="Start a local redis-server even when [run] redis_url is set (always done when unset)."
     )
     sft_warmup: bool = Field(False, description="Run `molt-learner --mode sft` on [learner.sft] first, then RL.")
-    build_tiny_model: bool = Field(
-        False, description="Build the tiny model (molt-tiny-model) at the learner's model_path when it is missing."
+    build_tiny_model: bool | Literal["moe"] = Field(
+        False,
+        description="Build the tiny model (molt-tiny-model) at the learner's model_path when it is missing; "
+        '"moe": the tiny mixture-of-experts model (molt-tiny-model --moe).',
     )
     start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for one service to become healthy.")
     stop_timeout_s: float = Field(60.0, gt=0, description="Grace after SIGTERM before a service is SIGKILLed.")

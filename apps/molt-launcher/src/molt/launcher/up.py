@@ -137,11 +137,13 @@ class Launch:
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         self.state.save()
         model = self.recipe.learner.model_path
-        if self.recipe.launcher.build_tiny_model and not is_model_dir(model):
+        kind = self.recipe.launcher.build_tiny_model
+        if kind and not is_model_dir(model):
             from molt.core.tiny_model import build
 
-            self.say(f"molt: building the tiny model at {model}")
-            build(model)
+            moe = kind == "moe"
+            self.say(f"molt: building the tiny {'MoE ' if moe else ''}model at {model}")
+            build(model, moe=moe, arch="qwen3" if moe else "qwen2")
         redis_url = None
         if embedded_redis(self.recipe):
             self.redis = RedisServer(self.run_dir / "redis")
