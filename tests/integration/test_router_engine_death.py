@@ -30,7 +30,7 @@ def test_a_dead_engines_requests_fail_and_the_router_stays_up(router_of_its_own:
             "sampling_params": common_pb2.SamplingParams(max_tokens=384, seed=seed),
         }
 
-    async def main() -> tuple[list[grpc.StatusCode | None], grpc.StatusCode, float]:
+    async def main() -> tuple[list[grpc.StatusCode | None], grpc.StatusCode, float, Any]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             # Eight long samples, so that some are still running when the engine dies (the tiny model can
@@ -58,10 +58,11 @@ def test_a_dead_engines_requests_fail_and_the_router_stays_up(router_of_its_own:
                 raise AssertionError("a request to the dead engine succeeded")
             except grpc.aio.AioRpcError as exc:
                 later = exc.code()
-            await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)  # still serving
-            return ends, later, time.monotonic() - started
+            status = await stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30)  # still serving
+            return ends, later, time.monotonic() - started, status
 
-    ends, later, later_s = asyncio.run(main())
+    ends, later, later_s, status = asyncio.run(main())
+    assert [(e.engine_id, e.healthy) for e in status.engines] == [("engine-0", False)]  # reported as it is
     assert grpc.StatusCode.UNAVAILABLE in ends and set(ends) <= {None, grpc.StatusCode.UNAVAILABLE}, ends
     assert later == grpc.StatusCode.UNAVAILABLE
     assert later_s < 30  # fails at once, does not wait for a deadline

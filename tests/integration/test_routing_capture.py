@@ -59,11 +59,23 @@ def engine_routing(message: common_pb2.ExpertRouting, tokens: int) -> torch.Tens
     return routing
 
 
-async def _generate(stub: Any, index: int, prompt: list[int]) -> list[tuple[list[int], common_pb2.ExpertRouting]]:
+def replayed_logprobs(path: Path, token_ids: list[int], prompt: int, routing: torch.Tensor) -> torch.Tensor:
+    """Logprobs of ``token_ids[prompt:]`` under a fp32 forward of ``path`` forced to ``routing``."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([token_ids])
+    with torch.no_grad(), routed(model, routing):
+        logits = model(input_ids=ids).logits[0, prompt - 1 : -1].double()
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[0, prompt:, None])[:, 0]
+
+
+Sampled = tuple[list[int], common_pb2.ExpertRouting, int, list[float]]  # tokens, routing, prompt length, logprobs
+
+
+async def _generate(stub: Any, index: int, prompt: list[int]) -> list[Sampled]:
     params = common_pb2.SamplingParams(max_tokens=12 + 9 * index, sample_count=1 + index % 2, seed=index)
     request = rollout_pb2.GenerateRequest(request_id=f"cap-{index}", prompt_token_ids=prompt, sampling_params=params)
     reply = await stub.Generate(request, timeout=300)
-    return [(prompt + list(c.token_ids), c.routed_experts) for c in reply.completions]
+    return [(prompt + list(c.token_ids), c.routed_experts, len(prompt), list(c.logprobs)) for c in reply.completions]
 
 
 async def _stream(stub: Any, index: int, prompt: list[int], started: asyncio.Event | None = None) -> dict[str, Any]:
@@ -84,7 +96,8 @@ async def _stream(stub: Any, index: int, prompt: list[int], started: asyncio.Eve
 
 
 def test_concurrent_requests_return_the_experts_a_reference_forward_picks(stack: dict[str, Any]) -> None:
-    """Unary requests (one with two samples) and streams of different lengths, all at once."""
+    """Unary requests (one with two samples) and streams of different lengths, all at once. The learner's
+    forward replaying the engine's routing gives the engine's logprobs of the sampled tokens."""
 
     async def main() -> tuple[list[Any], list[Any]]:
         async with grpc.aio.insecure_channel(stack["router"]) as channel:
@@ -95,11 +108,16 @@ def test_concurrent_requests_return_the_experts_a_reference_forward_picks(stack:
             return list(results[: len(PROMPTS)]), list(results[len(PROMPTS) :])
 
     unary, streams = asyncio.run(main())
-    samples = [sample for reply in unary for sample in reply] + [(s["tokens"], s["routing"]) for s in streams]
-    assert len(samples) == 2 * len(PROMPTS) + 1  # the request of index 1 asked for two samples
-    for tokens, message in samples:
+    samples = [sample for reply in unary for sample in reply]
+    assert len(samples) == len(PROMPTS) + 1  # the request of index 1 asked for two samples
+    for tokens, message, prompt, logprobs in samples:
         engine = engine_routing(message, len(tokens))
         assert routing_agreement(reference(stack["a"], tokens)[:-1], engine[:-1]) == 1.0
+        learner = replayed_logprobs(stack["a"], tokens, prompt, engine)
+        assert torch.allclose(learner, torch.tensor(logprobs, dtype=torch.float64), atol=1e-3)
+    for stream in streams:
+        engine = engine_routing(stream["routing"], len(stream["tokens"]))
+        assert routing_agreement(reference(stack["a"], stream["tokens"])[:-1], engine[:-1]) == 1.0
 
 
 def test_a_sample_straddling_a_refit_keeps_each_tokens_first_routing(stack: dict[str, Any]) -> None:

@@ -206,6 +206,12 @@ class LearnerSettings(ServiceSettings):
         0, ge=0, description="torch threads per rank on a CPU-only machine; 0 = torch's default (every core)."
     )
     poll_s: float = Field(1.0, gt=0, description="Longest wait of one queue read, seconds.")
+    redis_outage_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest Redis outage the learner waits out (queue reads, acknowledgements retried with "
+        "backoff) before it stops with an error, seconds.",
+    )
     idle_warning_s: float = Field(120.0, gt=0, description="Warn when no trajectory arrived for this long, seconds.")
     status_every_s: float = Field(30.0, gt=0, description="Interval of the one-line status log, seconds.")
     plot_every: int = Field(10, ge=1, description="Steps between refreshes of <run_dir>/reward.png.")

@@ -28,6 +28,7 @@ from torch import nn
 
 from molt.core.errors import WrongState
 from molt.core.queue import QueueEntry, TrajectoryQueue
+from molt.core.redis_outage import RedisOutage
 from molt.learner import metrics as prom
 from molt.learner.batch import Sample, assemble, build_group, first_reason
 from molt.learner.checkpoint import Checkpoints, RunState
@@ -75,6 +76,7 @@ class LearnerLoop:
         self.trainer = trainer
         self.checkpoints = checkpoints
         self.queue = queue
+        self.redis = RedisOutage(settings.redis_outage_s)  # every queue call waits out a Redis outage
         self.metrics = metrics
         self.rank = rank
         self.on_step = on_step
@@ -168,10 +170,10 @@ class LearnerLoop:
         if self._pending_reread:
             # After a restart, our own pending entries are re-delivered only in the first read,
             # up to its count: ask for all of them (the surplus waits in self.ready).
-            need = max(need, self.queue.stats().pending)
+            need = max(need, self.redis.call("reading the queue's stats", self.queue.stats).pending)
             self._pending_reread = False
         started = time.monotonic()
-        entries = self.queue.read(count=need, block_s=self.settings.poll_s)
+        entries = self.redis.call("reading the queue", self.queue.read, count=need, block_s=self.settings.poll_s)
         self.waited_s += time.monotonic() - started
         if entries:
             clock.arrived()
@@ -206,7 +208,7 @@ class LearnerLoop:
         """Settles groups none of whose samples is trained on: the producer starts others in their place
         (docs/queue.md); counted by the reason that dropped them (GetLearnerStatus)."""
         assert self.queue is not None
-        self.queue.skip(entry_ids)
+        self.redis.call("recording skipped groups", self.queue.skip, entry_ids)
         with self._lock:
             self.skipped[first_reason(dropped)] += len(entry_ids)
 
@@ -280,7 +282,8 @@ class LearnerLoop:
             exc,
             extra={"groupIds": [g.entry.group.group_id for g in groups], "entries": [g.entry_id for g in groups]},
         )
-        self.queue.dead_letter([g.entry for g in groups], f"the learner refused the step: {exc}")
+        entries = [g.entry for g in groups]
+        self.redis.call("dead-lettering", self.queue.dead_letter, entries, f"the learner refused the step: {exc}")
         self._count_drops(Counter({"refused_step": count}))
         if self.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
             raise WrongState(
@@ -324,7 +327,7 @@ class LearnerLoop:
         else:
             self._broadcast(("checkpoint", self.state))
             path = self.checkpoints.save(self.trainer, self.state)
-        acked = self.queue.ack(self.settled)
+        acked = self.redis.call("acknowledging entries", self.queue.ack, self.settled)
         log.info("checkpoint committed", extra={"step": self.state.step, "acked": acked})
         self.settled = []
         with self._lock:

@@ -12,6 +12,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import redis
+
 from molt.learner import metrics as prom
 
 if TYPE_CHECKING:
@@ -42,7 +44,10 @@ class StatusClock:
         settings = loop.settings
         if idle >= settings.idle_warning_s and now - self.last_idle_warning >= settings.idle_warning_s:
             self.last_idle_warning = now
-            stats = loop.queue.stats() if loop.queue is not None else None
+            try:
+                stats = loop.queue.stats() if loop.queue is not None else None
+            except redis.RedisError:  # the warning goes out without the queue's numbers
+                stats = None
             log.warning(
                 "no trajectories for %.0f s: is the agent-pool running and producing to run %r?",
                 idle,

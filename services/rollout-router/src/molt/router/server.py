@@ -160,7 +160,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         engines = [
             rollout_pb2.EngineStatus(
                 engine_id=engine_id,
-                healthy=True,
+                healthy=self.pool.links.is_live(engine_id),  # its data channel is open (closed: it died)
                 outstanding_request_count=count,
                 outstanding_token_count=tokens,
                 tensor_parallel_size=self.settings.engine.tensor_parallel_size,
