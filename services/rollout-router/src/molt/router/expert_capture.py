@@ -87,7 +87,7 @@ class RoutingRecorder:
         if step and rows:
             ids = np.full((rows, self.layers, self.top_k), -1, dtype=np.int16)
             for layer, layer_ids in step.items():
-                ids[:, layer] = layer_ids[:rows].numpy()
+                ids[:, layer] = layer_ids[:rows].cpu().numpy()  # a device tensor on a GPU
             start = 0
             for req_id, count in zip(req_ids, counts, strict=True):
                 if count:
@@ -196,5 +196,6 @@ def _commit(recorder: RoutingRecorder, runner: Any, scheduler_output: Any) -> No
     if rows != scheduler_output.total_num_scheduled_tokens:  # no forward ran (or an unknown layout)
         recorder.step = None
         counts, rows = [0] * len(req_ids), 0
-    positions = runner.positions[:rows].numpy() if rows else np.empty(0, dtype=np.int64)
+    # The runner's positions live on its device (a GPU runner's on the GPU): one small copy a step.
+    positions = runner.positions[:rows].cpu().numpy() if rows else np.empty(0, dtype=np.int64)
     recorder.commit(req_ids, counts, positions, set(scheduler_output.finished_req_ids))
