@@ -131,13 +131,15 @@ def build_config(
     if heads < 1 or hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}")
     config_class, _ = model_classes(arch, moe)
-    # Each expert as wide as the hidden size; the top-k weights renormalised to sum to 1, as Qwen3-MoE
-    # checkpoints set norm_topk_prob, so replay has that branch to reproduce.
+    # The top-k experts together as wide as the dense model's MLP (3 x hidden), so the MoE can learn what
+    # the dense tiny model learns (experts as wide as the hidden size left it far behind on tiny-cpu's
+    # task, bench/RESULTS.md); the top-k weights renormalised to sum to 1, as Qwen3-MoE checkpoints set
+    # norm_topk_prob, so replay has that branch to reproduce.
     experts = (
         {
             "num_experts": EXPERTS,
             "num_experts_per_tok": TOP_K,
-            "moe_intermediate_size": hidden_size,
+            "moe_intermediate_size": 3 * hidden_size // TOP_K,
             "norm_topk_prob": True,
         }
         if moe
