@@ -36,7 +36,9 @@ python3 -m pip download -q "${platforms[@]}" -d "$work/wheels" -r "$work/carry.t
 mkdir "$work/site"
 for wheel in "$work"/wheels/*.whl; do unzip -q -o "$wheel" -d "$work/site"; done
 site=$work/site
-rm -f "$site"/vllm/vllm_flash_attn/*.so "$site"/vllm/vllm-rs "$site"/vllm/_moe_C_stable_libtorch.abi3.so \
+# MOLT_BUNDLE_MOE=1 keeps the fused-MoE kernels (topk_softmax, moe_align_block_size) a MoE model needs.
+[ -n "${MOLT_BUNDLE_MOE:-}" ] || rm -f "$site"/vllm/_moe_C_stable_libtorch.abi3.so
+rm -f "$site"/vllm/vllm_flash_attn/*.so "$site"/vllm/vllm-rs \
   "$site"/vllm/_flashmla*.so "$site"/vllm/_qutlass_C.abi3.so
 find "$site/vllm/third_party" -name '*.so' -delete
 find "$site/vllm/third_party" -type d -name include -prune -exec rm -rf {} +

@@ -25,7 +25,7 @@ PROMPTS = ([5, 6, 7], [10, 20, 30, 40, 50, 60, 70], list(range(40, 60)), list(ra
 MAX_TOKENS = (40, 30, 20, 16)
 
 
-def generate_and_take(model: Path) -> dict[str, object]:
+def generate_and_take(model: Path, engine_args: dict[str, object]) -> dict[str, object]:
     """Samples ``PROMPTS`` concurrently with capture on; returns each request's tokens and routing."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -46,6 +46,7 @@ def generate_and_take(model: Path) -> dict[str, object]:
         enable_chunked_prefill=False,
         enforce_eager=True,
         worker_extension_cls="molt.router.worker_extension.EngineWorker",
+        **engine_args,
     )
     shape = llm.collective_rpc("start_routing_capture")[0]
     params = [SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True) for i, n in enumerate(MAX_TOKENS)]
@@ -83,13 +84,25 @@ def reference_routing(model: Path, token_ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_engine_capture_matches_a_reference_forward(tmp_path: Path) -> None:
+    check_capture(tmp_path, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU engine needs CUDA")
+def test_a_gpu_engines_capture_matches_a_reference_forward(tmp_path: Path) -> None:
+    """The same on a CUDA engine (vLLM's GPU model runner and fused-MoE kernels, in float32), against
+    the same CPU reference. Triton attention: the GPU bundle carries no FlashAttention kernels."""
+    check_capture(tmp_path, {"attention_backend": "TRITON_ATTN"})
+
+
+def check_capture(tmp_path: Path, engine_args: dict[str, object]) -> None:
     from molt.learner.routing import routing_agreement
 
     model = build(tmp_path / "moe", moe=True, arch="qwen3")
     # The report goes to a file: vLLM writes its own lines to stdout.
     report_path = tmp_path / "report.json"
     child = subprocess.run(
-        [sys.executable, __file__, str(model), str(report_path)],
+        [sys.executable, __file__, str(model), str(report_path), json.dumps(engine_args)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -114,4 +127,4 @@ def test_engine_capture_matches_a_reference_forward(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    Path(sys.argv[2]).write_text(json.dumps(generate_and_take(Path(sys.argv[1]))))
+    Path(sys.argv[2]).write_text(json.dumps(generate_and_take(Path(sys.argv[1]), json.loads(sys.argv[3]))))

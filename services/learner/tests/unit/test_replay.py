@@ -69,7 +69,8 @@ def drift(model: nn.Module, scale: float) -> None:
 
 @pytest.fixture
 def moe_settings(learner_settings: SettingsFactory, tiny_moe_model: Path) -> SettingsFactory:
-    return lambda **overrides: learner_settings(model_path=tiny_moe_model, **overrides)
+    # Replay runs on the torch backend only (where CUDA is present "auto" may pick AutoModel).
+    return lambda **overrides: learner_settings(model_path=tiny_moe_model, backend="torch", **overrides)
 
 
 @pytest.fixture
@@ -156,6 +157,7 @@ def by_hand(model: nn.Module, batch: StepBatch) -> dict[str, float]:
     given = micro_routing(micro, [s.routing for s in batch.samples if s.routing is not None])
     with torch.no_grad(), routed(model, given) as routing:
         logprobs, _ = token_logprobs(model, micro, len(batch.samples), 1.0)
+    logprobs = logprobs.cpu()  # the trainer's model is on CUDA where there is one
     mask = padded([s.loss_mask for s in batch.samples])
     rollout = padded([s.rollout_logprobs for s in batch.samples], logprobs.shape[1])[mask].double()
     learner = logprobs[mask].double()

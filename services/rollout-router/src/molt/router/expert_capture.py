@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -143,7 +144,6 @@ class RoutingCapture:
         if getattr(self, "_molt_routing", None) is not None:
             return self._molt_routing.shape()
         from vllm.config import CompilationMode
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
         runner = self.model_runner
         if runner.cache_config.enable_prefix_caching:
@@ -161,9 +161,9 @@ class RoutingCapture:
         if runner.speculative_config is not None:
             raise ValueError("routed-expert capture does not handle speculative decoding; turn it off")
         config = runner.model_config
-        recorder = RoutingRecorder(config.get_total_num_hidden_layers(), config.get_num_experts_per_tok())
+        recorder = RoutingRecorder(config.get_total_num_hidden_layers(), _top_k(config))
         recorder.experts = config.get_num_experts()
-        bind_routed_experts_capturer(runner.model, recorder)
+        _bind(runner.model, recorder)
         execute = runner.execute_model
 
         def execute_and_record(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -183,6 +183,41 @@ class RoutingCapture:
         if recorder is None:
             raise RuntimeError("take_routing before start_routing_capture")
         return recorder.take(token_counts)
+
+
+def _top_k(config: Any) -> int:
+    """Experts per token: ``ModelConfig.get_num_experts_per_tok`` where vLLM has it (0.32), else the HF
+    config's own attribute (vLLM 0.26, the GPU image's)."""
+    if hasattr(config, "get_num_experts_per_tok"):
+        return int(config.get_num_experts_per_tok())
+    hf = config.hf_text_config
+    top_k = getattr(hf, "num_experts_per_tok", None) or getattr(hf, "top_k_experts", None)
+    if not top_k:
+        raise ValueError(f"cannot tell experts per token from {type(hf).__name__}: no num_experts_per_tok")
+    return int(top_k)
+
+
+def _bind(model: Any, recorder: RoutingRecorder) -> None:
+    """Hands ``recorder.capture`` to every MoE router: through vLLM's ``bind_routed_experts_capturer``
+    (0.32, which also knows monolithic kernels), else (0.26) the way that version's GPU model runner
+    binds its own capturer: each ``MoERunner``'s ``BaseRouter.set_capture_fn``."""
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+    except ImportError:
+        bind_routed_experts_capturer = None
+    if bind_routed_experts_capturer is not None:
+        bind_routed_experts_capturer(model, recorder)
+        return
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    bound = 0
+    for module in model.modules():
+        if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
+            module.router.set_capture_fn(partial(recorder.capture, module.layer_id))
+            bound += 1
+    if not bound:
+        raise ValueError("routed-expert capture found no MoE router to bind in this model")
 
 
 def _commit(recorder: RoutingRecorder, runner: Any, scheduler_output: Any) -> None:
