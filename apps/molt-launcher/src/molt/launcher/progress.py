@@ -152,7 +152,9 @@ def status_line(snap: Snapshot, elapsed_s: float, previous: Snapshot | None = No
         parts.append("learner finishing")
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
     if snap.refit_failure and snap.paused is not False:
-        alerts.append(f"engines paused by a failed refit ({snap.refit_failure}) until a refit validates")
+        # Its first line: a Ray error spans many (the actor's id, pid, namespace, ...), the log has them all.
+        reason = snap.refit_failure.splitlines()[0][:200]
+        alerts.append(f"engines paused by a failed refit ({reason}) until a refit validates")
     elif snap.paused:  # a refit in progress (one that fails or times out is reported above), not an alert
         parts.append("router paused (refit)")
     for total, before, what in (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from molt.agent_pool.config import AgentPoolSettings
 from molt.broadcaster.config import BroadcasterSettings
@@ -49,6 +49,15 @@ class LauncherSettings(BaseModel):
     """The recipe's ``[launcher]`` table: declared resources and how ``molt up`` runs the services."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "learner_restarts" in values:
+            raise ValueError(
+                "[launcher] learner_restarts was replaced by [launcher] restarts, a budget for every service"
+            )
+        return values
 
     nodes: int = Field(1, ge=1, description="Nodes of the cluster the run uses (node 0 runs the launcher).")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 = a CPU run (engines and ranks take CPUs).")
@@ -82,12 +91,18 @@ class LauncherSettings(BaseModel):
         600.0, gt=0, description="Grace for the agent-pool, which runs a final evaluation when stopped."
     )
     progress_every_s: float = Field(5.0, gt=0, description="Interval of the terminal status line, seconds.")
-    learner_restarts: int = Field(
-        0,
+    restarts: int = Field(
+        3,
         ge=0,
-        description="Times molt up starts the learner again when it exits with an error (killed, a failed "
-        "refit): it resumes from its newest checkpoint, publishes those weights before it reads trajectories and "
-        "trains on; the other services keep running. 0: the run ends with the learner.",
+        description="Restarts molt up may make in the whole run, of any service or the embedded redis-server "
+        "that dies (the learner: only when it exits with an error); each is logged, counted on the status line "
+        "and in the end summary. The learner resumes from its newest checkpoint; the others rejoin the running "
+        "job (docs/launcher.md). The Ray head is never restarted. 0: the run ends with the first death.",
+    )
+    restart_backoff_s: float = Field(
+        2.0,
+        ge=0,
+        description="Wait before restarting a service, doubled with each restart of the same one (at most 60 s).",
     )
     rollout_nice: int | None = Field(
         None,

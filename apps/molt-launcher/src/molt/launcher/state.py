@@ -53,6 +53,7 @@ class RunState:
     ray_address: str | None = None
     ray_temp_dir: str | None = None
     processes: dict[str, ProcessRecord] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # piece -> times molt up restarted it
 
     @classmethod
     def new(cls, run_dir: Path, recipe: Path) -> RunState:
@@ -104,6 +105,8 @@ def describe(state: RunState) -> list[str]:
         lines.append(
             f"  {name:<12} pid {record.pid:<8} {'alive' if alive else 'not running':<12} {health:<12} log {record.log}"
         )
+    if state.restarts:
+        lines.append("  restarted    " + ", ".join(f"{name} {count}" for name, count in state.restarts.items()))
     return lines
 
 

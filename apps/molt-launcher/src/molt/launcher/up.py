@@ -37,6 +37,7 @@ from molt.launcher.plan import Plan, embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import Snapshot, gather, plot_rewards, status_line, summary
 from molt.launcher.recipe import SERVICES, Recipe, connect_address, is_model_dir, resolve_services, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState
+from molt.launcher.supervise import Restarts
 from molt.v1 import agent_pool_pb2, learner_pb2, rollout_pb2, weights_pb2
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class Launch:
         self.children: dict[str, ChildProcess] = {}  # in start order
         self.redis: RedisServer | None = None
         self.stopping = False
-        self.learner_restarted = 0  # times the learner was started again after it failed
+        self.restarts = Restarts(recipe.launcher.restarts, recipe.launcher.restart_backoff_s)
         self.config_path = run_dir / "config.toml"
 
     def say(self, text: str) -> None:
@@ -126,8 +127,8 @@ class Launch:
                 signal.signal(sig, handler)
         plot = plot_rewards(self.run_dir)
         self.say(summary(self.run_dir, time.monotonic() - started))
-        if self.learner_restarted:
-            self.say(f"learner restarted {self.learner_restarted} time(s) (each announced above, with its cause)")
+        if self.restarts.counts:
+            self.say(f"restarts: {self.restarts.describe()} (each announced above, with its cause)")
         if plot is not None:
             self.say(f"reward curve: {plot}")
         return code
@@ -146,7 +147,8 @@ class Launch:
             build(model, moe=moe, arch="qwen3" if moe else "qwen2")
         redis_url = None
         if embedded_redis(self.recipe):
-            self.redis = RedisServer(self.run_dir / "redis")
+            # AOF: a redis-server restarted mid-run (molt.launcher.supervise) comes back with every entry.
+            self.redis = RedisServer(self.run_dir / "redis", appendonly=True)
             self.redis.start()
             redis_url = self.redis.url
             assert self.redis.process is not None
@@ -253,53 +255,61 @@ class Launch:
         self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
 
     def _monitor(self, started: float) -> int:
-        """Prints the status line until the learner exits (the run's end) or another service dies."""
+        """Prints the status line until the learner exits on its own (the run's end); restarts whatever
+        else dies (``molt.launcher.supervise``) while the budget lasts."""
         every = self.recipe.launcher.progress_every_s
-        restarts = self.recipe.launcher.learner_restarts
         previous: Snapshot | None = None
-        learner = self.children["learner"].process
-        assert learner is not None
         while True:
-            self._check_redis()  # first: a learner that died of a dead Redis must not be restarted into it
-            code = learner.poll()
-            if code is not None and code != 0 and restarts > 0:
-                restarts -= 1
-                self.learner_restarted += 1
-                self.say(
-                    f"molt: the learner {_exit(code)}{_cause(self.children['learner'].log_path, code)}; restarting it "
-                    "from its newest checkpoint "
-                    f"({restarts} restart(s) left; see {self.children['learner'].log_path})"
-                )
-                self.children["learner"].stop(timeout_s=10)  # what is left of its session (Ray-placed ranks)
-                address = connect_address(self.recipe.services["learner"].listen)  # type: ignore[attr-defined]
-                self._spawn_service("learner", address, self.recipe.launcher.start_timeout_s)
-                learner = self.children["learner"].process
-                assert learner is not None
-                continue
-            if code is not None:
-                cause = _cause(self.children["learner"].log_path, code) if code else ""
-                self.say(f"molt: the learner {_exit(code)}{cause}")
-                return 0 if code == 0 else 1
-            for name, child in self.children.items():
-                if child.process is not None and child.process.poll() is not None:
-                    code = child.process.returncode
-                    raise RuntimeError(f"{name} {_exit(code)}{_cause(child.log_path, code)}; see {child.log_path}")
+            # Redis first: a service that died of a dead Redis must not be restarted into it.
+            if self.redis is not None and self.redis.process is not None and self.redis.process.poll() is not None:
+                self._restart_redis(self.redis.process.returncode)
+            for name, child in list(self.children.items()):
+                code = child.process.poll() if child.process is not None else None
+                if code is None:
+                    continue
+                if name == "learner" and code == 0:
+                    self.say("molt: the learner exited with 0")
+                    return 0
+                self._restart(name, code)
             snap = gather(
                 self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
             )
-            self.say(status_line(snap, time.monotonic() - started, previous))
+            line = status_line(snap, time.monotonic() - started, previous)
+            if self.restarts.counts:
+                line += f" | restarts: {self.restarts.describe()}"
+            self.say(line)
             previous = snap
             time.sleep(every)
 
-    def _check_redis(self) -> None:
-        """Raises when the embedded redis-server this run started has exited (every service needs it)."""
-        process = self.redis.process if self.redis is not None else None
-        if process is not None and process.poll() is not None:
-            log = self.redis.data_dir / "redis.log"  # type: ignore[union-attr]
-            raise RuntimeError(
-                f"the embedded redis-server (pid {process.pid}) {_exit(process.returncode)}"
-                f"{_cause(log, process.returncode)}; see {log}"
-            )
+    def _spend_restart(self, name: str, code: int | None, log_path: Path) -> None:
+        """Announces the death of ``name`` and waits out its backoff; raises when no restart is left."""
+        delay = self.restarts.take(name)
+        died = f"{name} {_exit(code)}{_cause(log_path, code)}"
+        if delay is None:
+            why = "the Ray head is never restarted" if name == "ray" else "no restart left"
+            raise RuntimeError(f"{died} ({why}); see {log_path}")
+        self.state.restarts = dict(self.restarts.counts)
+        self.state.save()
+        self.say(f"molt: {died}; restarting it in {delay:.0f} s ({self.restarts.left} restart(s) left; see {log_path})")
+        time.sleep(delay)
+
+    def _restart(self, name: str, code: int) -> None:
+        child = self.children[name]
+        self._spend_restart(name, code, child.log_path)
+        child.stop(timeout_s=10)  # what is left of its session (a Ray-placed learner's ranks)
+        address = connect_address(self.recipe.services[name].listen)  # type: ignore[attr-defined]
+        self._spawn_service(name, address, self.recipe.launcher.start_timeout_s)
+
+    def _restart_redis(self, code: int) -> None:
+        """The embedded redis-server again, on its port and data directory (AOF: nothing acknowledged is lost)."""
+        assert self.redis is not None
+        self._spend_restart("redis", code, self.redis.data_dir / "redis.log")
+        self.redis.start(port=self.redis.port)
+        assert self.redis.process is not None
+        pid = self.redis.process.pid
+        self.state.processes["redis"] = ProcessRecord(pid, start_ticks(pid), str(self.redis.data_dir))
+        self.state.save()
+        self.say(f"molt: redis-server back at {self.redis.url}")
 
     def _stop_all(self) -> None:
         """Stops every child, newest first; the agent-pool gets its longer grace (final evaluation)."""

@@ -38,6 +38,7 @@ from molt.learner.metrics import MetricsLog
 from molt.learner.progress import StatusClock
 from molt.learner.ranks import SINGLE, RankInfo
 from molt.learner.refit import WeightPublisher, gather_for_refit
+from molt.learner.stale_watch import StaleWatch
 from molt.learner.trainer import StepRefused, Trainer
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class LearnerLoop:
         self._requests = ControlRequests(self._lock)
         self._pending_reread = True
         self.refused_in_a_row = 0  # steps the trainer refused since the last one it took
+        rollout = settings.rollout
+        self.stale_watch = StaleWatch(rollout.groups_per_step * rollout.group_size)
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -153,6 +156,8 @@ class LearnerLoop:
                 else:
                     self._read(clock)
                 clock.maybe_report(self)
+                if publishes and self.stale_watch.due(self.state.dropped.get("stale", 0), self.state.step):
+                    self._publish_first()  # the engines serve older weights than these (StaleWatch)
             self._finish()
         except BaseException as exc:
             self._requests.fail(exc)

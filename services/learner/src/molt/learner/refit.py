@@ -213,7 +213,40 @@ class WeightPublisher:
 
         ``probe_logprobs`` score ``probe`` (default ``self.probe``); None runs no probe.
         ``continue_versions``: a first refit after the learner started (see the broadcaster's
-        ``RefitWeightsRequest``). The faults given for ``version`` apply here (``refit_faults``)."""
+        ``RefitWeightsRequest``). The faults given for ``version`` apply here (``refit_faults``).
+
+        A broadcaster that goes away (its call UNAVAILABLE, its store's connection lost) is waited for up
+        to ``refit_timeout_s``: a restarted one has a new store and group, so this learner registers
+        again and sends the whole refit again."""
+        deadline = time.monotonic() + self.settings.refit_timeout_s
+        while True:
+            try:
+                return self._publish_once(step, state, probe_logprobs, probe, version, continue_versions)
+            except (grpc.RpcError, dist.DistError, Unavailable) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else None
+                if code not in (None, grpc.StatusCode.UNAVAILABLE) or time.monotonic() > deadline:
+                    raise
+                log.warning("the weight-broadcaster is unreachable; registering again in 2 s: %s", _first_line(exc))
+                self._forget_broadcaster()
+                time.sleep(2.0)
+
+    def _forget_broadcaster(self) -> None:
+        """Drops the store and group of a broadcaster that went away (the next publish registers again),
+        and takes new request ids: one the broadcaster saw fail must not be answered from its memory."""
+        if self.group is not None:
+            self.group.close()
+        self.group, self.store, self.generation = None, None, -1
+        self.nonce = uuid4().hex[:8]
+
+    def _publish_once(
+        self,
+        step: int,
+        state: dict[str, Tensor],
+        probe_logprobs: list[float] | None,
+        probe: list[int] | None,
+        version: int | None,
+        continue_versions: bool,
+    ) -> weights_pb2.RefitWeightsResponse:
         if self.store is None:
             self.register()
         started = time.perf_counter()
@@ -318,3 +351,8 @@ class WeightPublisher:
             self.group.close()
         self.calls.shutdown(wait=False)
         self.channel.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[attr-defined]
+    return (text or type(exc).__name__).splitlines()[0]

@@ -104,12 +104,31 @@ class Membership:
         return await self.register_engine(engine_id, actor_name)
 
     async def discover_engines(self) -> int:
-        """Registers every engine the router reports that is not registered yet; returns the router's
-        vocabulary size."""
+        """Brings the registered engines in line with the router's before a refit; returns the router's
+        vocabulary size. Registers an engine the router reports for the first time; registers again one
+        whose actor is not the registered one (a router restarted without detached engines starts new
+        actors under the same names, and the old handles are dead); forgets one the router no longer
+        reports. Any of these changes the membership, so the refit builds a new generation of the group."""
+        import ray
+
         status = await self.router_status()
-        for engine in status.engines:
-            if engine.engine_id not in self.engines:
-                await self.register_engine(engine.engine_id, "")
+        reported = {engine.engine_id for engine in status.engines}
+        namespace = f"molt-{self.settings.run.run_id}"
+        for engine_id in sorted(reported):
+            known = self.engines.get(engine_id)
+            if known is not None:
+                try:
+                    current = await asyncio.to_thread(ray.get_actor, f"molt-{engine_id}", namespace)
+                except ValueError:
+                    current = None  # its actor is gone: register_engine says so
+                if current is not None and current._actor_id == known.actor._actor_id:
+                    continue
+                log.warning("engine actor replaced; registering it again", extra={"engine": engine_id})
+                del self.engines[engine_id]
+            await self.register_engine(engine_id, "")
+        for engine_id in sorted(set(self.engines) - reported):
+            log.warning("engine no longer reported by the router; leaving the group", extra={"engine": engine_id})
+            del self.engines[engine_id]
         return int(status.vocab_size)
 
     async def router_status(self) -> rollout_pb2.GetRouterStatusResponse:

@@ -1,0 +1,51 @@
+"""What ``molt up`` does when one of its processes dies: restart it, within a budget, after a backoff.
+
+One budget (``[launcher] restarts``) is shared by every service and the embedded redis-server, so a
+run whose pieces keep dying ends instead of restarting forever. The wait before a restart doubles with
+each restart of the same piece (``restart_backoff_s``, 2x, 4x, ... up to ``MAX_BACKOFF_S``): a service
+that dies at once again (a bad config, a port still taken) does not spin. What rejoins how:
+
+- learner: resumes from its newest checkpoint and publishes those weights before it reads;
+- agent-pool: continues the dataset where it was (its position is in Redis);
+- broadcaster: opens the weight group's store again; the learner re-registers at its next refit;
+- router: attaches to detached engines, or starts new ones that the broadcaster finds at its next refit;
+- redis-server: started again on its port and data directory; with AOF nothing acknowledged is lost,
+  and the services wait out the gap.
+
+The Ray head is not restarted: the engines (and a Ray-placed learner) live in it, so its death ends
+the run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+MAX_BACKOFF_S = 60.0
+NOT_RESTARTED = ("ray",)  # the engines live in it: a new head would have none (module docstring)
+
+
+@dataclass
+class Restarts:
+    """The run's restart budget and each piece's count."""
+
+    budget: int
+    backoff_s: float
+    counts: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def left(self) -> int:
+        return self.budget - sum(self.counts.values())
+
+    def take(self, name: str) -> float | None:
+        """Spends one restart of ``name``; returns the wait before it, or None when the budget is spent
+        or ``name`` is never restarted."""
+        if name in NOT_RESTARTED or self.left <= 0:
+            return None
+        delay = min(self.backoff_s * 2 ** self.counts[name], MAX_BACKOFF_S)
+        self.counts[name] += 1
+        return delay
+
+    def describe(self) -> str:
+        """``learner 1, agent_pool 2`` in the order they first restarted; "" when none did."""
+        return ", ".join(f"{name} {count}" for name, count in self.counts.items())
