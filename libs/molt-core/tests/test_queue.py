@@ -280,14 +280,17 @@ def test_segments_of_one_episode_must_agree_on_its_reward() -> None:
     assert group_problems(group, RUN) == []
 
 
-def test_skipped_groups_are_counted_for_producers(redis_client: redis.Redis) -> None:
+def test_skipped_groups_are_counted_for_producers_and_acknowledged(redis_client: redis.Redis) -> None:
     consumer = TrajectoryQueue(redis_client, RUN, consumer="c0")
     producer = TrajectoryQueue(redis_client, RUN)
     assert producer.skipped() == 0  # no key yet
-    consumer.skip(["1-0", "2-0"])
+    producer.put_many([make_group(prompt_id=f"p{i}") for i in range(3)])
+    read = [e.entry_id for e in consumer.read(count=3)]
+    consumer.skip(read[:2])
     consumer.skip([])
-    consumer.skip(["3-0", "1-0"])  # 1-0 again (re-read after a restart): counted once
-    assert producer.skipped() == 3
+    consumer.skip([read[0]])  # again (re-read after a restart): counted once
+    assert producer.skipped() == 2
+    assert consumer.stats() == QueueStats(depth=1, pending=1, lag=0, dead_letters=0)  # skipping settles
     assert TrajectoryQueue(redis_client, "another-run").skipped() == 0
 
 
@@ -386,3 +389,34 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         assert pending["pending"] == 5
     finally:
         server.stop()
+
+
+def test_a_restarted_consumer_gets_back_every_entry_it_held(redis_client: redis.Redis) -> None:
+    """A consumer killed holding 7 entries (one of them deleted by an ack cut off after its XDEL) comes
+    back under its name and reads 3 at a time: the 6 left come back in order, before the new entry and
+    without waiting for the 60 s reclaim timeout; the deleted one is acknowledged, not delivered."""
+    first = TrajectoryQueue(redis_client, RUN, consumer="learner-0")
+    first.put_many([make_group(prompt_id=f"p{i}") for i in range(8)])
+    held = [e.entry_id for e in first.read(count=7)]
+    redis_client.xdel(QueueKeys(RUN).stream, held[2])
+    restarted = TrajectoryQueue(redis_client, RUN, consumer="learner-0")
+    delivered = [e for _ in range(5) for e in restarted.read(count=3)]
+    assert [e.entry_id for e in delivered[:6]] == held[:2] + held[3:]
+    assert [e.group.prompt_id for e in delivered[6:]] == ["p7"]
+    assert restarted.stats() == QueueStats(depth=7, pending=7, lag=0, dead_letters=0)
+
+
+def test_a_reclaim_reaches_past_the_entries_this_consumer_holds(redis_client: redis.Redis) -> None:
+    """The survivor holds 30 entries past the idle timeout, ahead of 2 a dead consumer left: XAUTOCLAIM
+    scans at most ten entries per one asked for, so a reclaim that always started from the front of the
+    pending list, finding only the survivor's own, would never reach the dead consumer's."""
+    queue = TrajectoryQueue(redis_client, RUN, consumer="survivor", reclaim_after_s=0.2)
+    queue.put_many([make_group(prompt_id=f"p{i}") for i in range(32)])
+    assert len(queue.read(count=30)) == 30
+    taken = [e.entry_id for e in TrajectoryQueue(redis_client, RUN, consumer="dead").read(count=2)]
+    time.sleep(0.3)
+    reclaimed: list[str] = []
+    for _ in range(3):  # a reclaim is looked for at most every quarter of the timeout
+        reclaimed += [e.entry_id for e in queue.read(count=1)]
+        time.sleep(0.06)
+    assert reclaimed == taken

@@ -223,3 +223,53 @@ def test_groups_skipped_whole_are_counted_by_their_first_reason(
     assert loop.state.step == 1
     assert loop.status().skipped == {"invalid_token": 1}
     assert loop.status().dropped == {"invalid_token": len(REWARDS)}
+
+
+def run_in_thread(loop: LearnerLoop) -> threading.Thread:
+    thread = threading.Thread(target=loop.run, daemon=True)  # daemon: a loop that hangs must not hang the test
+    thread.start()
+    return thread
+
+
+def test_a_learner_that_skips_every_group_keeps_the_queue_moving(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """The queue's bound (4) filled with groups of a future version, all skipped whole: held until a
+    checkpoint that no step ever brings, they would keep the producer's next put out for good. Skipped
+    entries are acknowledged as they are skipped, so the two good groups put behind them make step 1."""
+    settings = learner_settings(poll_s=0.05, queue_max_length=4, max_steps=1)
+    producer = TrajectoryQueue(redis_client, "molt", max_length=4)
+    producer.put_many([named_group(f"f{i}", REWARDS, version=50) for i in range(4)])
+    loop = make_loop(settings, redis_client)
+    thread = run_in_thread(loop)
+    try:
+        for name in ("g0", "g1"):
+            producer.put(named_group(name, REWARDS), timeout=20)  # Backpressure: the learner holds the bound
+        thread.join(timeout=30)
+    finally:
+        if thread.is_alive():
+            loop.request_stop(save_checkpoint=False)
+    assert loop.state.step == 1 and loop.status().skipped == {"future_version": 4}
+    assert producer.skipped() == 4 and producer.stats().depth == 0
+
+
+def test_a_checkpoint_comes_early_when_trained_entries_would_fill_the_queue(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """Bound 4, two groups a step, checkpoint_every 100: after step 2 its four trained entries fill the
+    bound until their checkpoint, and the producer's fifth group could never be put. The loop commits
+    them early instead, at steps 2 and 4 (then 5, the stop's), and trains all ten groups."""
+    settings = learner_settings(poll_s=0.05, queue_max_length=4, checkpoint_every=100, max_steps=5, max_staleness=5)
+    producer = TrajectoryQueue(redis_client, "molt", max_length=4)
+    loop = make_loop(settings, redis_client)
+    thread = run_in_thread(loop)
+    try:
+        for i in range(10):
+            producer.put(named_group(f"g{i}", REWARDS), timeout=20)
+        thread.join(timeout=30)
+    finally:
+        if thread.is_alive():
+            loop.request_stop(save_checkpoint=False)
+    assert loop.state.step == 5 and len(loop.state.consumed) == 40
+    assert [p.name for p in loop.checkpoints.complete()] == ["step-00000002", "step-00000004", "step-00000005"]
+    assert producer.stats().depth == 0

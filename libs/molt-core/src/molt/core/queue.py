@@ -116,7 +116,8 @@ class TrajectoryQueue:
         self.reclaim_after_s = reclaim_after_s
         self._put = client.register_script(PUT_SCRIPT)
         self._held: set[str] = set()  # delivered to this instance, not yet acknowledged
-        self._own_pending_read = False
+        self._own_pending_from: str | None = "0"  # where re-reading this name's pending entries goes on; None: done
+        self._reclaim_from = "0-0"  # XAUTOCLAIM's cursor through the pending entries of every consumer
         self._next_reclaim = 0.0  # monotonic time of the next XAUTOCLAIM check
         if consumer is not None:
             self._ensure_group()
@@ -221,19 +222,18 @@ class TrajectoryQueue:
     def read(self, count: int = 16, block_s: float = 0.0) -> list[QueueEntry]:
         """Delivers up to ``count`` groups to this consumer.
 
-        Order: first (once per instance) entries this consumer name left pending
-        before a restart, then entries other consumers left idle past
-        ``reclaim_after_s`` (looked for at most every quarter of it, so such an
-        entry comes back within 1.25x the timeout), then new entries in stream
-        order (waiting up to ``block_s`` for one). Malformed entries go to the
-        dead-letter stream.
+        Order: first every entry this consumer name left pending before a
+        restart (``count`` at a time, until none is left), then entries other
+        consumers left idle past ``reclaim_after_s`` (looked for at most every
+        quarter of it, so such an entry comes back within 1.25x the timeout),
+        then new entries in stream order (waiting up to ``block_s`` for one).
+        Malformed entries go to the dead-letter stream.
         """
         if self.consumer is None:
             raise InvalidInput("this TrajectoryQueue has no consumer name; it can only put")
         raw: list[tuple[bytes, dict[bytes, bytes]]] = []
-        if not self._own_pending_read:
-            raw += self._read_stream("0", count, None)
-            self._own_pending_read = True
+        while self._own_pending_from is not None and not raw:  # a batch of deleted entries only: read on
+            raw += self._own_pending(count)
         now = time.monotonic()
         if len(raw) < count and now >= self._next_reclaim:
             self._next_reclaim = now + self.reclaim_after_s / 4
@@ -249,13 +249,38 @@ class TrajectoryQueue:
         )
         return [(eid, fields) for _, entries in reply or [] for eid, fields in entries if fields]
 
-    def _reclaim(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        idle_ms = int(self.reclaim_after_s * 1000)
-        reply = self.client.xautoclaim(self.keys.stream, CONSUMER_GROUP, self.consumer, idle_ms, "0-0", count=count)
-        claimed = [(eid, fields) for eid, fields in reply[1] if eid.decode() not in self._held]
-        deleted = reply[2] if len(reply) > 2 else []
-        if deleted:  # pending but already deleted from the stream: nothing left to deliver
+    def _own_pending(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The next ``count`` entries this consumer name holds from before this instance, in id order.
+        All of them, not only the first read's: the rest would otherwise wait for XAUTOCLAIM, which
+        hands them over only once idle ``reclaim_after_s``, and then only as far as its scan reaches."""
+        reply = self.client.xreadgroup(
+            CONSUMER_GROUP, self.consumer, {self.keys.stream: self._own_pending_from}, count=count
+        )
+        entries = [(eid, fields) for _, found in reply or [] for eid, fields in found]
+        self._own_pending_from = entries[-1][0].decode() if len(entries) == count else None
+        deleted = [eid for eid, fields in entries if not fields]
+        if deleted:  # an ack cut off after its XDEL: the entry's use is committed, finish the ack
             self.client.xack(self.keys.stream, CONSUMER_GROUP, *deleted)
+        return [(eid, fields) for eid, fields in entries if fields]
+
+    def _reclaim(self, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Up to ``count`` entries idle past the timeout, claimed from whichever consumer holds them.
+        XAUTOCLAIM scans at most ten entries per one asked for and claims this consumer's own held
+        entries too (dropped here): it goes on from its cursor, up to one pass over the pending list,
+        so entries this consumer holds ahead of the others' cannot hide them."""
+        idle_ms = int(self.reclaim_after_s * 1000)
+        claimed: list[tuple[bytes, dict[bytes, bytes]]] = []
+        while len(claimed) < count:
+            reply = self.client.xautoclaim(
+                self.keys.stream, CONSUMER_GROUP, self.consumer, idle_ms, self._reclaim_from, count=count - len(claimed)
+            )
+            self._reclaim_from = _text(reply[0])
+            claimed += [(eid, fields) for eid, fields in reply[1] if eid.decode() not in self._held]
+            deleted = reply[2] if len(reply) > 2 else []
+            if deleted:  # pending but already deleted from the stream: nothing left to deliver
+                self.client.xack(self.keys.stream, CONSUMER_GROUP, *deleted)
+            if self._reclaim_from == "0-0":
+                break  # the end of the pending list: the next look starts from its front
         if claimed:
             log.warning("reclaimed entries left pending by another consumer", extra={"count": len(claimed)})
         return claimed
@@ -299,10 +324,20 @@ class TrajectoryQueue:
             pipe.execute()
 
     def skip(self, entry_ids: Sequence[str]) -> None:
-        """Records entries settled without being trained on (see ``skipped``); by id, so an entry
-        read again after a consumer's restart is not counted twice."""
-        if entry_ids:
-            self.client.sadd(self.keys.skipped_groups, *entry_ids)
+        """Settles entries this consumer read and will not train on: records them (see ``skipped``; by
+        id, so one counted again is counted once) and acknowledges them, in one transaction. A skip is
+        final and nothing of it is in any weights, so it waits for no checkpoint; record and ack go
+        together, so a crash leaves an entry either still pending (read and decided again) or counted
+        and gone, never gone uncounted. Held until a checkpoint, a learner that skips everything would
+        fill the queue's bound with them and then wait for entries no producer could put."""
+        if not entry_ids:
+            return
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.sadd(self.keys.skipped_groups, *entry_ids)
+            pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
+            pipe.xdel(self.keys.stream, *entry_ids)
+            pipe.execute()
+        self._held.difference_update(entry_ids)
 
     def skipped(self) -> int:
         """Groups the consumer settled without training on them, since the run began: a producer that

@@ -3,12 +3,12 @@
 Rank 0 is the only queue consumer (``learner-0``): it turns groups into samples
 as it reads them (``batch.build_group`` drops and counts bad ones) and trains on
 ``groups_per_step`` groups at a time, broadcasting each step, checkpoint and the
-stop to the followers (``follow``). An entry is acknowledged only once the step
-that used it is in a complete checkpoint, so a restarted learner re-reads what
-was not (docs/queue.md). After every step ``on_step(step, model)`` runs on rank
-0; with the ``WeightPublisher`` as that hook the loop first refits the weights
-it starts with (``_publish_first``). Control requests: ``control.py``; the
-status line and warnings: ``progress.py``.
+stop to the followers (``follow``). An entry trained on is acknowledged only
+once its step is in a complete checkpoint, so a restarted learner re-reads what
+was not; one skipped is acknowledged at once (``_skip``, docs/queue.md). After
+every step ``on_step(step, model)`` runs on rank 0; with the ``WeightPublisher``
+as that hook the loop first refits the weights it starts with (``_publish_first``).
+Control requests: ``control.py``; the status line and warnings: ``progress.py``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class LearnerLoop:
 
         self.state = RunState()
         self.ready: list[ReadyGroup] = []
-        self.settled: list[str] = []  # entry ids whose use is decided, acknowledged at the next checkpoint
+        self.settled: list[str] = []  # entry ids trained on, acknowledged at the next checkpoint
         self.skipped: Counter[str] = Counter()  # groups skipped whole since this process started, by reason
         self.waited_s = 0.0  # time blocked on the queue since the last step: > 0 means the rollouts are behind
         self.last_metrics: dict[str, float] = {}
@@ -96,7 +96,6 @@ class LearnerLoop:
         self.last_step_time: float | None = None
         self._lock = threading.Lock()
         self._requests = ControlRequests(self._lock)
-        self._pending_reread = True
         self.refused_in_a_row = 0  # steps the trainer refused since the last one it took
         rollout = settings.rollout
         self.stale_watch = StaleWatch(rollout.groups_per_step * rollout.group_size)
@@ -172,11 +171,6 @@ class LearnerLoop:
     def _read(self, clock: StatusClock) -> None:
         assert self.queue is not None
         need = self.settings.rollout.groups_per_step - len(self.ready)
-        if self._pending_reread:
-            # After a restart, our own pending entries are re-delivered only in the first read,
-            # up to its count: ask for all of them (the surplus waits in self.ready).
-            need = max(need, self.redis.call("reading the queue's stats", self.queue.stats).pending)
-            self._pending_reread = False
         started = time.monotonic()
         entries = self.redis.call("reading the queue", self.queue.read, count=need, block_s=self.settings.poll_s)
         self.waited_s += time.monotonic() - started
@@ -199,7 +193,6 @@ class LearnerLoop:
             if outcome.samples:
                 self.ready.append(ReadyGroup(entry, outcome.samples))
             else:
-                self.settled.append(entry.entry_id)
                 self._skip([entry.entry_id], outcome.dropped)
         prom.READY_GROUPS.set(len(self.ready))
 
@@ -211,7 +204,13 @@ class LearnerLoop:
 
     def _skip(self, entry_ids: list[str], dropped: Counter[str]) -> None:
         """Settles groups none of whose samples is trained on: the producer starts others in their place
-        (docs/queue.md); counted by the reason that dropped them (GetLearnerStatus)."""
+        (docs/queue.md); counted by the reason that dropped them (GetLearnerStatus). Acknowledged now, not
+        at a checkpoint (``TrajectoryQueue.skip``): nothing of them is in the weights to make durable, and
+        a run whose samples all go stale makes no step, so it would never checkpoint, and the skipped
+        entries would fill the queue's bound. Exactly once still holds: the skip is final (one skipped as
+        stale before a crash stays skipped, though the older weights resumed might have trained it), and
+        one skipped as a duplicate of an uncommitted step's trajectories is a second copy, the first
+        staying pending until that step's checkpoint and so trained again after a crash."""
         assert self.queue is not None
         self.redis.call("recording skipped groups", self.queue.skip, entry_ids)
         with self._lock:
@@ -240,7 +239,6 @@ class LearnerLoop:
             self.ready[: self.settings.rollout.groups_per_step],
             self.ready[self.settings.rollout.groups_per_step :],
         )
-        self.settled.extend(g.entry_id for g in groups)
         samples, dropped = self._trainable(groups)
         if not samples:
             self._skip([g.entry_id for g in groups], dropped)
@@ -252,6 +250,7 @@ class LearnerLoop:
         except StepRefused as exc:
             self._refuse(groups, len(samples), exc)
             return
+        self.settled.extend(g.entry_id for g in groups)
         self.refused_in_a_row = 0
         self.waited_s = 0.0
         step = self.trainer.step
@@ -274,8 +273,16 @@ class LearnerLoop:
                 # The publisher's gather (and probe forward) is a collective of every rank.
                 self._broadcast(("refit", self.on_step.next_probe()))
                 self.on_step(step, self.trainer.model, version=self.trainer.policy_version)
-        if step % self.settings.checkpoint_every == 0:
+        if step % self.settings.checkpoint_every == 0 or self._settled_crowd_the_queue():
             self._checkpoint()
+
+    def _settled_crowd_the_queue(self) -> bool:
+        """Whether the entries trained on since the checkpoint leave less room than one step's groups under
+        the run's queue bound: they stay in the stream until their checkpoint, so with ``checkpoint_every
+        * groups_per_step`` above ``queue_max_length`` the producers could not put the next step and the
+        loop would wait for ever. Then the checkpoint comes early: a whole one, acknowledging as any does."""
+        rollout = self.settings.rollout
+        return len(self.settled) + rollout.groups_per_step > rollout.queue_max_length
 
     def _refuse(self, groups: list[ReadyGroup], count: int, exc: StepRefused) -> None:
         """A step the trainer refused (a non-finite value; nothing applied): its groups go to the dead
@@ -327,7 +334,7 @@ class LearnerLoop:
         assert self.queue is not None
         newest = self.checkpoints.newest()
         if self.last_checkpoint_step == self.state.step and newest is not None:
-            # No step since: the settled entries were all dropped, nothing of them is in the weights.
+            # No step since: nothing new to save (and nothing settled, skipped entries being acknowledged).
             path = newest
         else:
             self._broadcast(("checkpoint", self.state))
