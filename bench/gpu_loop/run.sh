@@ -30,7 +30,7 @@ export PATH=/tmp/molt-bin:$PATH
 src=$(ls -d "$root"/libs/*/src "$root"/services/*/src "$root"/apps/*/src | tr '\n' ':')
 export PYTHONPATH=/tmp/molt-site:/tmp/molt-meta:$src
 redis-server --version
-model=/tmp/models/qwen3-0.5b
+model=${MOLT_GPU_MODEL:-/tmp/models/qwen3-0.5b}  # bench/gpu_moe/loop.sh builds its own
 [ -d $model ] || python3 bench/gpu_loop/build_model.py --out $model
 # The CUDA IPC weight group between two processes on this GPU, before the loop relies on it.
 python3 -m pytest -q -p no:cacheprovider -m gpu libs/molt-core/tests/test_weight_ipc.py 2>&1 | tail -5

@@ -11,6 +11,7 @@ dominates (about a minute on 2 cores).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,4 +128,6 @@ def check_capture(tmp_path: Path, engine_args: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
+    # This file's imports may touch CUDA before vLLM starts its engine core, which then cannot fork.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     Path(sys.argv[2]).write_text(json.dumps(generate_and_take(Path(sys.argv[1]), json.loads(sys.argv[3]))))

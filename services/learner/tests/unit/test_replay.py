@@ -30,6 +30,9 @@ from molt.v1 import common_pb2
 
 SettingsFactory = Callable[..., LearnerSettings]
 CPU = torch.device("cpu")
+# The trainer takes the GPU where there is one: the "engine" records there too, so that replaying its
+# routing is compared with a forward of the same kernels (bench/gpu_moe/run.sh runs these on a GPU).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GROUPS = {"alpha": [1.0, 0.0, 1.0, 0.0], "beta": [0.0, 0.0, 1.0, 0.5]}
 
 
@@ -40,7 +43,7 @@ def as_engine_recorded(engine: nn.Module, group: common_pb2.TrajectoryGroup) -> 
         ids = torch.tensor([*t.prompt_token_ids, *t.response_token_ids])
         with torch.no_grad(), routed(engine) as routing:
             logprobs, _ = token_logprobs(engine, pad([ids]), 1, 1.0)
-        own = routing.own.clone()
+        own = routing.own.cpu()
         own[-1] = -1
         t.routed_experts.CopyFrom(expert_routing.pack(own.numpy().astype(np.int16), num_experts=8))
         del t.rollout_logprobs[:]
@@ -64,7 +67,7 @@ def drift(model: nn.Module, scale: float) -> None:
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for router in moe_routers(model).values():
-            router.weight += scale * torch.randn(router.weight.shape, generator=generator)
+            router.weight += scale * torch.randn(router.weight.shape, generator=generator).to(router.weight.device)
 
 
 @pytest.fixture
@@ -75,7 +78,7 @@ def moe_settings(learner_settings: SettingsFactory, tiny_moe_model: Path) -> Set
 
 @pytest.fixture
 def batch(tiny_moe_model: Path) -> StepBatch:
-    return engine_batch(load_policy(tiny_moe_model, CPU, trainable=False))
+    return engine_batch(load_policy(tiny_moe_model, DEVICE, trainable=False))
 
 
 def gates(trainer: Trainer) -> list[torch.Tensor]:
@@ -135,7 +138,7 @@ def test_against_a_bfloat16_engine_replay_holds_vllm_kl_within_1_5x_while_the_ro
     With the learner's routers drifted by 0.002 on top, replay keeps |vllm_kl| within 1.5x of its
     unperturbed value, while the learner's own routing leaves it several times larger, as it does
     without the drift."""
-    batch = engine_batch(load_policy(tiny_moe_model, CPU, trainable=False).to(torch.bfloat16))
+    batch = engine_batch(load_policy(tiny_moe_model, DEVICE, trainable=False).to(torch.bfloat16))
     base = Trainer(moe_settings(routing_replay=True)).train_step(batch)
     on, off = Trainer(moe_settings(routing_replay=True)), Trainer(moe_settings())
     drift(on.model, 0.002)
