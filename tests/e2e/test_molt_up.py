@@ -228,7 +228,7 @@ def newest_step(run_dir: Path) -> int:
 def test_a_killed_learner_is_restarted_and_numbers_its_versions_on_after_the_engines(
     tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    """``[launcher] learner_restarts = 1``, a checkpoint every 20 of 60 steps. The learner is SIGKILLed
+    """``[launcher] restarts = 1``, a checkpoint every 20 of 60 steps. The learner is SIGKILLed
     once it recorded step 25: its newest checkpoint is step 20 while the engines serve the version of
     step 25 or later. molt up starts it again (the other services keep running); it resumes at step 20,
     publishes those weights as the version after the engines' and trains to step 60 under versions
@@ -240,7 +240,7 @@ def test_a_killed_learner_is_restarted_and_numbers_its_versions_on_after_the_eng
     extra = {
         "learner.max_steps": str(steps),
         "learner.checkpoint_every": str(every),
-        "launcher.learner_restarts": "1",
+        "launcher.restarts": "1",
         **cadence(1),  # the checks below count one published version per step
     }
     args = molt_up_args(run_dir, run_id, tiny_model, redis_server.url, extra)
@@ -263,7 +263,8 @@ def test_a_killed_learner_is_restarted_and_numbers_its_versions_on_after_the_eng
                 process.send_signal(signal.SIGINT)
                 process.wait(timeout=120)
     assert code == 0, log_tail(out, 60)
-    assert "restarting it from its newest checkpoint" in out.read_text()
+    text = out.read_text()
+    assert "molt: learner was killed by SIGKILL" in text and "restarts: learner 1" in text
 
     broadcaster = log_records(run_dir / "logs" / "broadcaster.log")
     published = [r for r in broadcaster if r.get("message") == "refit published"]

@@ -22,3 +22,11 @@ def test_stale_drops_between_steps_never_ask() -> None:
     for step in range(1, 50):
         stale += 31  # nearly a step's worth dropped between each pair of steps
         assert not watch.due(stale=stale, step=step, now=float(step))
+
+
+def test_a_publish_at_the_start_counts_as_one() -> None:
+    """The stale groups a restarted learner reads first were sampled before its own first publish."""
+    watch = StaleWatch(samples_per_step=32, every_s=30.0)
+    watch.mark(stale=10, step=20, now=100.0)
+    assert not watch.due(stale=60, step=20, now=110.0)  # within every_s of that publish
+    assert watch.due(stale=60, step=20, now=131.0)

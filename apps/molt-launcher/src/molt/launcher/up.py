@@ -284,7 +284,7 @@ class Launch:
     def _spend_restart(self, name: str, code: int | None, log_path: Path) -> None:
         """Announces the death of ``name`` and waits out its backoff; raises when no restart is left."""
         delay = self.restarts.take(name)
-        died = f"{name} {_exit(code)}{_cause(log_path, code)}"
+        died = f"{name} {_exit(code) if code is not None else 'did not serve'}{_cause(log_path, code)}"
         if delay is None:
             why = "the Ray head is never restarted" if name == "ray" else "no restart left"
             raise RuntimeError(f"{died} ({why}); see {log_path}")
@@ -293,12 +293,19 @@ class Launch:
         self.say(f"molt: {died}; restarting it in {delay:.0f} s ({self.restarts.left} restart(s) left; see {log_path})")
         time.sleep(delay)
 
-    def _restart(self, name: str, code: int) -> None:
+    def _restart(self, name: str, code: int | None) -> None:
+        """Starts ``name`` again; one that fails to serve again (its port still taken, ...) costs another."""
         child = self.children[name]
-        self._spend_restart(name, code, child.log_path)
-        child.stop(timeout_s=10)  # what is left of its session (a Ray-placed learner's ranks)
         address = connect_address(self.recipe.services[name].listen)  # type: ignore[attr-defined]
-        self._spawn_service(name, address, self.recipe.launcher.start_timeout_s)
+        while True:
+            self._spend_restart(name, code, child.log_path)
+            child.stop(timeout_s=10)  # what is left of its session (a Ray-placed learner's ranks)
+            try:
+                self._spawn_service(name, address, self.recipe.launcher.start_timeout_s)
+                return
+            except RuntimeError as exc:
+                self.say(f"molt: {exc}")
+                code = child.process.poll() if child.process is not None else None
 
     def _restart_redis(self, code: int) -> None:
         """The embedded redis-server again, on its port and data directory (AOF: nothing acknowledged is lost)."""

@@ -321,6 +321,7 @@ class LearnerLoop:
                 extra={"step": self.state.step, "version": version, "previousVersion": self.trainer.policy_version},
             )
         self.trainer.version_offset = offset
+        self.stale_watch.mark(self.state.dropped.get("stale", 0), self.state.step)
         self._broadcast(("version_offset", offset))
         with self._lock:
             self.state.policy_version = version

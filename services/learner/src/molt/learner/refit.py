@@ -226,7 +226,9 @@ class WeightPublisher:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else None
                 if code not in (None, grpc.StatusCode.UNAVAILABLE) or time.monotonic() > deadline:
                     raise
-                log.warning("the weight-broadcaster is unreachable; registering again in 2 s: %s", _first_line(exc))
+                log.warning(
+                    "the refit could not reach the broadcaster or the engines; retrying in 2 s: %s", _first_line(exc)
+                )
                 self._forget_broadcaster()
                 time.sleep(2.0)
 
@@ -284,7 +286,10 @@ class WeightPublisher:
         continue_versions: bool,
     ) -> weights_pb2.RefitWeightsRequest:
         """The ``RefitWeights`` request: the manifest, the bucket size and the probe."""
-        request_id = f"{self.settings.run.run_id}-{self.nonce}-" + ("first" if continue_versions else f"v{version}")
+        # A first-kind refit may come again in one process (StaleWatch): each has its own id, or the
+        # broadcaster would answer it from memory while the learner joins a group nobody receives on.
+        kind = f"first{self.refits}" if continue_versions else f"v{version}"
+        request_id = f"{self.settings.run.run_id}-{self.nonce}-{kind}"
         return weights_pb2.RefitWeightsRequest(
             request_id=request_id,
             learner_step=step,

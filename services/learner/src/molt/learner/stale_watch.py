@@ -45,3 +45,8 @@ class StaleWatch:
         )
         self.stale_at_mark, self.last_publish = stale, now
         return True
+
+    def mark(self, stale: int, step: int, now: float | None = None) -> None:
+        """A publish of the current weights just happened (at the start, or for ``due``): count from here."""
+        self.step, self.stale_at_mark = step, stale
+        self.last_publish = time.monotonic() if now is None else now

@@ -141,6 +141,9 @@ class Broadcaster:
             except Exception as exc:  # Ray, a worker, the router's RPCs
                 metrics.REFITS.labels(outcome="error").inc()
                 self._unfinished(request.request_id, f"refit {request.request_id} failed: {type(exc).__name__}: {exc}")
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The router is away (restarting): the learner waits and sends again, as for this process.
+                    raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
                 raise
             self.responses[request.request_id] = response
             return response

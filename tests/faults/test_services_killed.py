@@ -1,0 +1,126 @@
+"""molt up keeps the run going while its services die: the agent-pool, the broadcaster, the router (its
+engine dies with it) and the embedded redis-server are SIGKILLed in turn during a shortened tiny-cpu run.
+
+Each is restarted by the launcher (``[launcher] restarts``) and rejoins: the learner registers with the
+new broadcaster, the broadcaster finds the router's new engine (``engine actor replaced``), the learner
+publishes its weights to that engine, which came back at version 0, and the redis-server comes back
+from its append-only file. The learner itself is never restarted. Afterwards the run's Redis is read
+back from that file: every trajectory queued is trained (in the final checkpoint), dropped with a
+counted reason, or still in the stream, none twice, and no dead letter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from molt.core.ports import free_port
+from molt.core.processes import RedisServer, log_records, log_tail
+from molt.v1 import common_pb2
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 40
+KILLS = (("agent_pool", 5), ("broadcaster", 12), ("router", 20), ("redis", 28))  # in turn, at these steps
+
+
+def newest_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")), default=0)
+
+
+def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
+    sets = {
+        "run.run_id": '"faults"',
+        "run.run_dir": f'"{run_dir}"',
+        "router.engine.model_path": f'"{tiny_model}"',
+        "learner.model_path": f'"{tiny_model}"',
+        "agent_pool.tokenizer_path": f'"{tiny_model}"',
+        "launcher.sft_warmup": "false",
+        "launcher.progress_every_s": "2",
+        "launcher.restarts": "4",
+        "launcher.restart_backoff_s": "1",
+        "learner.max_steps": str(STEPS),
+        "learner.checkpoint_every": "10",
+        "agent_pool.eval.enabled": "false",
+        "launcher.build_tiny_model": "false",
+        "agent_pool.http_listen": f'"127.0.0.1:{free_port()}"',
+    }
+    for key in ("router", "broadcaster", "learner", "agent_pool"):
+        sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
+    args = [str(Path(sys.executable).parent / "molt"), "up", str(REPO / "recipes" / "tiny-cpu.toml")]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def test_every_service_killed_in_turn_is_restarted_and_the_run_finishes(tmp_path: Path, tiny_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = tmp_path / "molt-up.log"
+    with out.open("wb") as sink:
+        process = subprocess.Popen(molt_up(run_dir, tiny_model), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 1200
+            # Not before every service is up: a learner can make steps while the agent-pool still starts.
+            while (
+                not (run_dir / "state.json").exists()
+                or json.loads((run_dir / "state.json").read_text())["phase"] != "running"
+            ):
+                assert process.poll() is None and time.monotonic() < deadline, log_tail(out, 60)
+                time.sleep(0.2)
+            for name, step in KILLS:
+                while newest_step(run_dir) < step:
+                    assert process.poll() is None, log_tail(out, 60)
+                    assert time.monotonic() < deadline, f"the run did not reach step {step}\n{log_tail(out, 60)}"
+                    time.sleep(0.2)
+                os.kill(json.loads((run_dir / "state.json").read_text())["processes"][name]["pid"], signal.SIGKILL)
+            code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=120)
+    text = out.read_text()
+    assert code == 0, log_tail(out, 80)
+    assert "restarts: agent_pool 1, broadcaster 1, router 1, redis 1" in text
+    assert json.loads((run_dir / "state.json").read_text())["restarts"] == {name: 1 for name, _ in KILLS}
+    assert "learner was killed" not in text and "learner exited with 1" not in text
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    published = [int(r["version"]) for r in log_records(run_dir / "logs" / "broadcaster.log", "refit published")]
+    assert published == sorted(set(published)) and published[-1] == STEPS  # it advanced past every fault
+    replaced = log_records(run_dir / "logs" / "broadcaster.log", "engine actor replaced; registering it again")
+    assert len(replaced) == 1
+    check_accounting(run_dir)
+
+
+def check_accounting(run_dir: Path) -> None:
+    """The run's Redis, read back from its append-only file after the run."""
+    state = json.loads((sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "state.json").read_text())
+    assert state["step"] == STEPS
+    consumed, dropped = set(state["consumed"]), sum(state["dropped"].values())
+    server = RedisServer(run_dir / "redis", appendonly=True)
+    server.start()
+    try:
+        client = server.client()
+        remaining = [
+            t.trajectory_id
+            for _, fields in client.xrange("molt:faults:trajectories")
+            for t in common_pb2.TrajectoryGroup.FromString(fields[b"group"]).trajectories
+        ]
+        produced = {member.decode() for member in client.smembers("molt:faults:trajectory-ids")}
+        dead = client.xlen("molt:faults:trajectories:dead")
+    finally:
+        server.stop()
+    assert len(remaining) == len(set(remaining))
+    assert consumed <= produced and set(remaining) <= produced and not consumed & set(remaining)
+    assert len(produced) == len(consumed) + dropped + len(remaining) and dead == 0
