@@ -32,7 +32,8 @@ from molt.launcher.plan import embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import plot_rewards, summary
 from molt.launcher.recipe import apply_sets, load_recipe, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState, describe, down
-from molt.launcher.up import Launch, _exit
+from molt.launcher.supervise import Restarts, how_it_ended
+from molt.launcher.up import Launch
 from molt.learner.checkpoint import RunState as CheckpointState
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -313,6 +314,16 @@ def test_failure_cause_picks_the_line_that_says_why(tmp_path: Path) -> None:
     )
     log.write_text(f"{info}\n{error}\n{info}\n")
     assert failure_cause(log) == "learner rank 0 failed: CheckpointError: step-3 is damaged"
+    grpc_error = json.dumps(
+        {
+            "level": "error",
+            "message": "learner rank 0 failed",
+            "exception": "Traceback...\ngrpc.RpcError: <RPC that terminated with:\n\tstatus = StatusCode.UNAVAILABLE"
+            '\n\tdetails = "Socket closed"\n\tdebug_error_string = "UNAVAILABLE"\n>',
+        }
+    )
+    log.write_text(f"{grpc_error}\n")  # a gRPC error's last line is a lone ">": its details say why
+    assert failure_cause(log).endswith('grpc.RpcError: <RPC that terminated with: details = "Socket closed"')
     log.write_text(
         "Traceback (most recent call last):\n  File x\nOSError: Failed to bind to address 127.0.0.1:51151\nbye\n"
     )
@@ -325,23 +336,34 @@ def test_failure_cause_picks_the_line_that_says_why(tmp_path: Path) -> None:
     assert failure_cause(log) == "starting" and failure_cause(log, last_line=False) == ""
     log.write_text(f"{info}\n")
     assert failure_cause(log) == ""
-    assert _exit(1) == "exited with 1" and _exit(-9).startswith("was killed by SIGKILL (killed from outside")
-    assert _exit(-15) == "was killed by SIGTERM"
+    assert how_it_ended(1) == "exited with 1"
+    assert how_it_ended(-9).startswith("was killed by SIGKILL (killed from outside")
+    assert how_it_ended(-15) == "was killed by SIGTERM"
 
 
-def test_a_dead_embedded_redis_ends_the_run_with_its_own_cause(tmp_path: Path) -> None:
-    """The launcher's own redis-server, killed: the monitor says so, naming it, before it would restart a
-    learner into it (it used to notice only through the learner's ConnectionError, and restart it)."""
-    launch = Launch.__new__(Launch)  # only the part of the launch under test: its Redis
-    launch.redis = RedisServer(tmp_path / "redis")
+def kill(server: RedisServer) -> int:
+    assert server.process is not None
+    server.process.kill()
+    return server.process.wait()
+
+
+def test_a_dead_embedded_redis_comes_back_with_its_entries_until_the_budget_is_spent(tmp_path: Path) -> None:
+    """The launcher's own redis-server, killed: started again on its port and data directory, with what
+    was written before (append-only file); killed once more with no restart left, the run ends naming it."""
+    launch = Launch.__new__(Launch)  # only the part of the launch under test: its Redis and restarts
+    launch.out, launch.restarts = io.StringIO(), Restarts(budget=1, backoff_s=0.0)
+    launch.state = RunState.new(tmp_path, tmp_path / "recipe.toml")
+    launch.redis = RedisServer(tmp_path / "redis", appendonly=True)
     launch.redis.start()
+    port = launch.redis.port
     try:
-        launch._check_redis()  # alive: nothing to say
-        assert launch.redis.process is not None
-        launch.redis.process.kill()
-        launch.redis.process.wait()
-        with pytest.raises(RuntimeError, match=r"the embedded redis-server \(pid \d+\) was killed by SIGKILL"):
-            launch._check_redis()
+        launch.redis.client().set("written-before", b"1")
+        launch._restart_redis(kill(launch.redis))
+        assert launch.redis.port == port and launch.redis.client().get("written-before") == b"1"
+        assert "molt: redis was killed by SIGKILL" in launch.out.getvalue()
+        assert json.loads((tmp_path / "state.json").read_text())["restarts"] == {"redis": 1}
+        with pytest.raises(RuntimeError, match=r"redis was killed by SIGKILL .*\(no restart left\)"):
+            launch._restart_redis(kill(launch.redis))
     finally:
         launch.redis.stop()
 

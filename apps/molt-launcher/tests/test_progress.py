@@ -37,3 +37,11 @@ def test_failed_episodes_and_dead_letters_alert_only_while_they_grow() -> None:
     assert "ALERT: 90 failed episodes (+50 since the last line)" in line and "| 1 dead letters" in line
     recovered = status_line(Snapshot(max_steps=200, failed_episodes=90, dead_letters=1), 80.0, growing)
     assert "ALERT" not in recovered and "90 failed episodes" in recovered
+
+
+def test_dead_engines_are_an_alert_and_a_long_refit_failure_shows_its_first_line() -> None:
+    assert "ALERT: engines live 1/2" in status_line(Snapshot(max_steps=200, engines_healthy="1/2"), 60.0)
+    assert "ALERT" not in status_line(Snapshot(max_steps=200, engines_healthy="2/2"), 60.0)
+    failure = "ActorDiedError: The actor died unexpectedly\n\tclass_name: EngineActor\n\tpid: 7"
+    line = status_line(Snapshot(max_steps=200, paused=True, refit_failure=failure), 60.0)
+    assert "(ActorDiedError: The actor died unexpectedly)" in line and "\n" not in line

@@ -151,6 +151,9 @@ def status_line(snap: Snapshot, elapsed_s: float, previous: Snapshot | None = No
     if done and "learner" in snap.unreachable:
         parts.append("learner finishing")
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
+    healthy, _, engines = (snap.engines_healthy or "").partition("/")
+    if healthy != engines:
+        alerts.append(f"engines live {snap.engines_healthy}")
     if snap.refit_failure and snap.paused is not False:
         # Its first line: a Ray error spans many (the actor's id, pid, namespace, ...), the log has them all.
         reason = snap.refit_failure.splitlines()[0][:200]

@@ -18,8 +18,12 @@ the run.
 
 from __future__ import annotations
 
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from molt.core.processes import failure_cause
 
 MAX_BACKOFF_S = 60.0
 NOT_RESTARTED = ("ray",)  # the engines live in it: a new head would have none (module docstring)
@@ -49,3 +53,22 @@ class Restarts:
     def describe(self) -> str:
         """``learner 1, agent_pool 2`` in the order they first restarted; "" when none did."""
         return ", ".join(f"{name} {count}" for name, count in self.counts.items())
+
+
+def cause_of(log_path: Path, code: int | None = None) -> str:
+    """``: <the line of the log that says why>``, or "" when the log says nothing (for a process killed by
+    a signal, only an error record or a traceback: its last line is whatever it was doing)."""
+    cause = failure_cause(log_path, last_line=code is None or code >= 0)
+    return f": {cause}" if cause else ""
+
+
+def how_it_ended(code: int | None) -> str:
+    """How a child process ended, in words: ``exited with 1``, ``was killed by SIGKILL (...)``."""
+    if code is None or code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (killed from outside, or by the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+    return f"was killed by {name}{hint}"

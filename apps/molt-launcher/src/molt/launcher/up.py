@@ -28,7 +28,6 @@ from molt.core.errors import ConfigError
 from molt.core.processes import (
     ChildProcess,
     RedisServer,
-    failure_cause,
     start_ray_head,
     start_ticks,
     wait_serving,
@@ -37,7 +36,7 @@ from molt.launcher.plan import Plan, embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import Snapshot, gather, plot_rewards, status_line, summary
 from molt.launcher.recipe import SERVICES, Recipe, connect_address, is_model_dir, resolve_services, to_toml, wire
 from molt.launcher.state import ProcessRecord, RunState
-from molt.launcher.supervise import Restarts
+from molt.launcher.supervise import Restarts, cause_of, how_it_ended
 from molt.v1 import agent_pool_pb2, learner_pb2, rollout_pb2, weights_pb2
 
 log = logging.getLogger(__name__)
@@ -78,6 +77,7 @@ class Launch:
         self.redis: RedisServer | None = None
         self.stopping = False
         self.restarts = Restarts(recipe.launcher.restarts, recipe.launcher.restart_backoff_s)
+        self.engineless_polls = 0  # status lines in a row on which the router had no live engine
         self.config_path = run_dir / "config.toml"
 
     def say(self, text: str) -> None:
@@ -251,7 +251,7 @@ class Launch:
         try:
             wait_serving(address, HEALTH_SERVICES[name], timeout_s, process)
         except RuntimeError as exc:
-            raise RuntimeError(f"{name} {exc}{_cause(child.log_path)}; see {child.log_path}") from exc
+            raise RuntimeError(f"{name} {exc}{cause_of(child.log_path)}; see {child.log_path}") from exc
         self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
 
     def _monitor(self, started: float) -> int:
@@ -274,6 +274,7 @@ class Launch:
             snap = gather(
                 self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
             )
+            self._restart_router_without_engines(snap)
             line = status_line(snap, time.monotonic() - started, previous)
             if self.restarts.counts:
                 line += f" | restarts: {self.restarts.describe()}"
@@ -281,10 +282,21 @@ class Launch:
             previous = snap
             time.sleep(every)
 
-    def _spend_restart(self, name: str, code: int | None, log_path: Path) -> None:
+    def _restart_router_without_engines(self, snap: Snapshot) -> None:
+        """A router all of whose engines died serves nothing, yet runs: restarted, it starts new ones (at
+        version 0; the broadcaster and the learner bring them up to date, as after any router restart).
+        Two status lines in a row, so that a router still starting its engines is left alone."""
+        dead = bool(snap.engines_healthy) and snap.engines_healthy.startswith("0/")  # type: ignore[union-attr]
+        self.engineless_polls = self.engineless_polls + 1 if dead else 0
+        if self.engineless_polls >= 2:
+            self.engineless_polls = 0
+            self._restart("router", None, "has no live engine left")
+
+    def _spend_restart(self, name: str, code: int | None, log_path: Path, why: str = "did not serve") -> None:
         """Announces the death of ``name`` and waits out its backoff; raises when no restart is left."""
         delay = self.restarts.take(name)
-        died = f"{name} {_exit(code) if code is not None else 'did not serve'}{_cause(log_path, code)}"
+        # Dead: how it ended and its log's word why; alive but useless (or never serving): ``why``.
+        died = f"{name} {how_it_ended(code)}{cause_of(log_path, code)}" if code is not None else f"{name} {why}"
         if delay is None:
             why = "the Ray head is never restarted" if name == "ray" else "no restart left"
             raise RuntimeError(f"{died} ({why}); see {log_path}")
@@ -293,12 +305,13 @@ class Launch:
         self.say(f"molt: {died}; restarting it in {delay:.0f} s ({self.restarts.left} restart(s) left; see {log_path})")
         time.sleep(delay)
 
-    def _restart(self, name: str, code: int | None) -> None:
+    def _restart(self, name: str, code: int | None, why: str = "did not serve") -> None:
         """Starts ``name`` again; one that fails to serve again (its port still taken, ...) costs another."""
         child = self.children[name]
         address = connect_address(self.recipe.services[name].listen)  # type: ignore[attr-defined]
         while True:
-            self._spend_restart(name, code, child.log_path)
+            self._spend_restart(name, code, child.log_path, why)
+            why = "did not serve"
             child.stop(timeout_s=10)  # what is left of its session (a Ray-placed learner's ranks)
             try:
                 self._spawn_service(name, address, self.recipe.launcher.start_timeout_s)
@@ -349,25 +362,6 @@ class Launch:
             self.state.save()
         except OSError as exc:
             self.say(f"molt: could not record the run's state: {exc}")
-
-
-def _cause(log_path: Path, code: int | None = None) -> str:
-    """``: <the line of the log that says why>``, or "" when the log says nothing (for a process killed by
-    a signal, only an error record or a traceback: its last line is whatever it was doing)."""
-    cause = failure_cause(log_path, last_line=code is None or code >= 0)
-    return f": {cause}" if cause else ""
-
-
-def _exit(code: int | None) -> str:
-    """How a child process ended, in words: ``exited with 1``, ``was killed by SIGKILL (...)``."""
-    if code is None or code >= 0:
-        return f"exited with {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    hint = " (killed from outside, or by the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
-    return f"was killed by {name}{hint}"
 
 
 def up(recipe: Recipe, run_dir: Path | None = None, out: TextIO = sys.stdout) -> int:

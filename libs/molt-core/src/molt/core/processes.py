@@ -264,7 +264,7 @@ def failure_cause(path: Path, lines: int = 80, last_line: bool = True) -> str:
                 continue
             if isinstance(record, dict) and record.get("level") in ("error", "critical"):
                 exception = str(record.get("exception") or "").strip().splitlines()
-                detail = record.get("error") or record.get("reason") or (exception[-1] if exception else "")
+                detail = record.get("error") or record.get("reason") or _exception_line(exception)
                 return f"{record.get('message', '')}{': ' + str(detail) if detail else ''}"[:500]
     for line in reversed(tail):
         if TRACEBACK_END.match(line):
@@ -272,6 +272,17 @@ def failure_cause(path: Path, lines: int = 80, last_line: bool = True) -> str:
     if not last_line:
         return ""
     return next((line[:500] for line in reversed(tail) if not ROUTINE_RECORD.match(line)), "")
+
+
+def _exception_line(exception: list[str]) -> str:
+    """A traceback's ``SomeError: ...`` line, with the ``details = ...`` line a gRPC error prints below
+    it (its last line is a lone ``>``)."""
+    lines = [line.strip() for line in exception]
+    ends = [i for i, line in enumerate(lines) if TRACEBACK_END.match(line)]
+    if not ends:
+        return lines[-1] if lines else ""
+    details = next((line for line in lines[ends[-1] :] if line.startswith("details = ")), "")
+    return f"{lines[ends[-1]]} {details}".strip()
 
 
 ROUTINE_RECORD = re.compile(r'^\{.*"level": ?"(info|debug)"')  # a JSON log record of no failure

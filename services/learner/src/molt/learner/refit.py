@@ -260,8 +260,11 @@ class WeightPublisher:
         group = self._join(go)
         try:
             group.send(metas, state, go["bucket_bytes"])
-        except Exception:
+        except RuntimeError as exc:  # gloo or NCCL: a receiver went away (its engine died with its router)
             self.generation = -1  # the group is broken; the broadcaster rebuilds it next time
+            raise Unavailable(f"the weight group broke during the send: {exc}") from exc
+        except Exception:
+            self.generation = -1
             raise
         response: weights_pb2.RefitWeightsResponse = call.result()
         self.last_report = response.report

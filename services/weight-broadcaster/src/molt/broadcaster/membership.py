@@ -108,11 +108,12 @@ class Membership:
         vocabulary size. Registers an engine the router reports for the first time; registers again one
         whose actor is not the registered one (a router restarted without detached engines starts new
         actors under the same names, and the old handles are dead); forgets one the router no longer
-        reports. Any of these changes the membership, so the refit builds a new generation of the group."""
+        reports, or reports dead (its data channel closed: every refit to it would fail). Any of these
+        changes the membership, so the refit builds a new generation of the group."""
         import ray
 
         status = await self.router_status()
-        reported = {engine.engine_id for engine in status.engines}
+        reported = {engine.engine_id for engine in status.engines if engine.healthy}  # a dead one cannot receive
         namespace = f"molt-{self.settings.run.run_id}"
         for engine_id in sorted(reported):
             known = self.engines.get(engine_id)
@@ -127,7 +128,7 @@ class Membership:
                 del self.engines[engine_id]
             await self.register_engine(engine_id, "")
         for engine_id in sorted(set(self.engines) - reported):
-            log.warning("engine no longer reported by the router; leaving the group", extra={"engine": engine_id})
+            log.warning("engine dead or gone from the router; leaving the group", extra={"engine": engine_id})
             del self.engines[engine_id]
         return int(status.vocab_size)
 
