@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -14,32 +13,10 @@ import redis
 
 from molt.core.queue import CONSUMER_GROUP, QueueKeys, QueueStats, TrajectoryQueue
 from molt.core.testing import RedisServer
-from molt.v1 import common_pb2
+from molt.core.testing import trajectory_group as make_group
 
 pytestmark = pytest.mark.integration
 RUN = "test-run"
-
-
-def make_group(
-    samples: int = 2, tokens: int = 4, run_id: str = RUN, prompt_id: str = "p"
-) -> common_pb2.TrajectoryGroup:
-    group = common_pb2.TrajectoryGroup(
-        group_id=uuid.uuid4().hex, prompt_id=prompt_id, run_id=run_id, sample_count=samples
-    )
-    for i in range(samples):
-        group.trajectories.add(
-            trajectory_id=uuid.uuid4().hex,
-            rollout_id=uuid.uuid4().hex,
-            prompt_token_ids=[1, 2, 3],
-            response_token_ids=list(range(tokens)),
-            rollout_logprobs=[-0.5] * tokens,
-            loss_mask=[True] * tokens,
-            policy_versions=[0] * tokens,
-            reward=float(i),
-            finish_reason=common_pb2.FINISH_REASON_STOP,
-            turn_count=1,
-        )
-    return group
 
 
 CONSUMER_SCRIPT = """

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from molt.core.ports import free_port
 from molt.core.processes import RedisServer, ServiceProcess, start_ray_head
 from molt.core.rollout import RolloutSettings
 from molt.core.tiny_model import build
+from molt.v1 import common_pb2
 
 __all__ = [
     "RAY_ENV",
@@ -123,3 +125,26 @@ def nest_rollout(values: Mapping[str, Any], base: RolloutSettings | None = None)
     given = given.model_dump() if isinstance(given, RolloutSettings) else dict(given)
     rest["rollout"] = RolloutSettings(**{**(base.model_dump() if base else {}), **given, **flat})
     return rest
+
+
+def trajectory_group(
+    samples: int = 2, tokens: int = 4, run_id: str = "test-run", prompt_id: str = "p"
+) -> common_pb2.TrajectoryGroup:
+    """A well-formed group of ``samples`` trajectories of ``tokens`` response tokens each (queue tests)."""
+    group = common_pb2.TrajectoryGroup(
+        group_id=uuid.uuid4().hex, prompt_id=prompt_id, run_id=run_id, sample_count=samples
+    )
+    for i in range(samples):
+        group.trajectories.add(
+            trajectory_id=uuid.uuid4().hex,
+            rollout_id=uuid.uuid4().hex,
+            prompt_token_ids=[1, 2, 3],
+            response_token_ids=list(range(tokens)),
+            rollout_logprobs=[-0.5] * tokens,
+            loss_mask=[True] * tokens,
+            policy_versions=[0] * tokens,
+            reward=float(i),
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            turn_count=1,
+        )
+    return group
