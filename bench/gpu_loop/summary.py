@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from molt.core.processes import log_records
+from molt.core.service_logs import log_records
 
 PEAK_BF16_FLOPS = 989e12  # H100 SXM and H200, dense
 

@@ -14,7 +14,7 @@ import redis
 from transformers import AutoTokenizer
 
 from molt.core.ports import free_port
-from molt.core.processes import log_tail
+from molt.core.service_logs import log_tail
 from molt.core.testing import RedisServer
 from molt.v1 import common_pb2
 

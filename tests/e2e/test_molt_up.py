@@ -28,7 +28,7 @@ import redis
 
 from molt.core import expert_routing
 from molt.core.ports import free_port
-from molt.core.processes import log_records, log_tail
+from molt.core.service_logs import log_records, log_tail
 from molt.core.testing import RedisServer
 from molt.core.tiny_model import build
 from molt.v1 import common_pb2

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from molt.core.ports import free_port
-from molt.core.processes import ChildProcess, ensure_ray_auth_token, log_records, log_tail
+from molt.core.processes import ChildProcess, ensure_ray_auth_token
+from molt.core.service_logs import log_records, log_tail
 from molt.core.testing import RAY_ENV, ray_driver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from molt.core.ports import free_port
-from molt.core.processes import RedisServer, log_records, log_tail
+from molt.core.processes import RedisServer
+from molt.core.service_logs import log_records, log_tail
 from molt.v1 import common_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]

@@ -21,11 +21,11 @@ from molt.core.errors import ConfigError
 from molt.core.processes import (
     ChildProcess,
     RedisServer,
-    failure_cause,
     is_running,
     session_members,
     start_ticks,
 )
+from molt.core.service_logs import failure_cause
 from molt.core.testing import free_port
 from molt.launcher.cli import main as molt_main
 from molt.launcher.plan import embedded_redis, plan_or_raise, preflight

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from molt.core.processes import failure_cause
+from molt.core.service_logs import failure_cause
 
 MAX_BACKOFF_S = 60.0
 NOT_RESTARTED = ("ray",)  # the engines live in it: a new head would have none (module docstring)
