@@ -455,7 +455,9 @@ def test_groups_the_learner_skipped_or_the_pool_filtered_do_not_hold_the_pool_ba
         await started_groups(pool, 1, 60)
         await asyncio.sleep(1.0)
         assert pool.stats.started_groups == 1 and pool.stats.backpressured
-        await asyncio.to_thread(queue.skip, [f"skipped-{time.time_ns()}"])  # as the learner does for a group
+        learner = TrajectoryQueue(redis_client, RUN, consumer="learner-0")
+        (entry,) = await asyncio.to_thread(learner.read, count=1, block_s=60)
+        await asyncio.to_thread(learner.skip, [entry.entry_id])  # as the learner does for a group
         await started_groups(pool, 2, 30)
         await asyncio.sleep(1.0)
         assert pool.stats.started_groups == 2 and pool.stats.learner_skipped_groups == 1
