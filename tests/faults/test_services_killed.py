@@ -110,11 +110,13 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_finishes(tmp_path
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     published = [int(r["version"]) for r in log_records(run_dir / "logs" / "broadcaster.log", "refit published")]
     assert published == sorted(set(published)) and published[-1] == STEPS  # it advanced past every fault
-    # The router's first restart: the broadcaster finds a new actor under the old name. After the
-    # engine alone died, it was left out of the group as dead, then found again as new.
+    # After each router restart the broadcaster finds a new actor under the old name; after the engine
+    # alone died, it may first have left the group as dead (a refit came before the router's restart),
+    # and the new actor is then registered as new rather than as a replacement.
     broadcaster = run_dir / "logs" / "broadcaster.log"
-    assert len(log_records(broadcaster, "engine actor replaced; registering it again")) == 1
-    assert len(log_records(broadcaster, "engine dead or gone from the router; leaving the group")) <= 1
+    replaced = len(log_records(broadcaster, "engine actor replaced; registering it again"))
+    left = len(log_records(broadcaster, "engine dead or gone from the router; leaving the group"))
+    assert replaced + left == 2 and replaced >= 1, (replaced, left)
     check_accounting(run_dir)
 
 
