@@ -109,7 +109,9 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_finishes(tmp_path
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     published = [int(r["version"]) for r in log_records(run_dir / "logs" / "broadcaster.log", "refit published")]
-    assert published == sorted(set(published)) and published[-1] == STEPS  # it advanced past every fault
+    # Never backwards, and past every fault. A version may come twice: the learner publishing its
+    # weights again for engines that came back at version 0 sends them under the version they are.
+    assert published == sorted(published) and published[-1] == STEPS
     # After each router restart the broadcaster finds a new actor under the old name; after the engine
     # alone died, it may first have left the group as dead (a refit came before the router's restart),
     # and the new actor is then registered as new rather than as a replacement.
