@@ -21,6 +21,7 @@ from molt.core.log import setup_logging
 from molt.launcher.plan import plan_or_raise
 from molt.launcher.progress import gather, status_line
 from molt.launcher.recipe import load_recipe
+from molt.launcher.run_secrets import run_access
 from molt.launcher.settings_doc import render as render_settings
 from molt.launcher.state import RunState, describe, down
 from molt.launcher.up import up
@@ -79,7 +80,8 @@ def _status(run_dir: Path) -> int:
     if not state.launcher_alive():
         return 1
     started = time.mktime(time.strptime(state.started_at, "%Y-%m-%dT%H:%M:%S%z"))
-    snap = gather(state.addresses(), state.redis_url, state.run_id, run_dir, state.max_steps)
+    access = run_access(run_dir / "config.toml")
+    snap = gather(state.addresses(), state.redis_url, state.run_id, run_dir, state.max_steps, access)
     out.write(status_line(snap, time.time() - started) + "\n")
     return 0
 

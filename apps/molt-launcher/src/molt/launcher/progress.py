@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import redis
 
+from molt.core.auth import Access
 from molt.core.queue import TrajectoryQueue
 from molt.learner.metrics import read_history
 from molt.v1 import (
@@ -63,12 +64,14 @@ class Snapshot:
     unreachable: list[str] = field(default_factory=list)
 
 
-def _ask(snap: Snapshot, addresses: dict[str, str], name: str, make_stub: Any, method: str, request: Any) -> Any:
+def _ask(
+    snap: Snapshot, access: Access, addresses: dict[str, str], name: str, make_stub: Any, method: str, request: Any
+) -> Any:
     """``name``'s reply to ``method``; None when it is not in ``addresses`` or does not answer (then
     it is listed as unreachable)."""
     if name not in addresses:
         return None
-    with grpc.insecure_channel(addresses[name]) as channel:
+    with access.channel(addresses[name]) as channel:
         try:
             return getattr(make_stub(channel), method)(request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError:
@@ -76,11 +79,15 @@ def _ask(snap: Snapshot, addresses: dict[str, str], name: str, make_stub: Any, m
             return None
 
 
-def gather(addresses: dict[str, str], redis_url: str, run_id: str, run_dir: Path, max_steps: int) -> Snapshot:
-    """Asks every service at ``addresses`` (keys: router, learner, agent_pool, broadcaster) and the queue."""
+def gather(
+    addresses: dict[str, str], redis_url: str, run_id: str, run_dir: Path, max_steps: int, access: Access | None = None
+) -> Snapshot:
+    """Asks every service at ``addresses`` (keys: router, learner, agent_pool, broadcaster) and the queue,
+    with the run's token (``access``)."""
+    access = access or Access()
     snap = Snapshot(max_steps=max_steps)
     learner = learner_pb2.GetLearnerStatusRequest()
-    reply = _ask(snap, addresses, "learner", learner_pb2_grpc.LearnerServiceStub, "GetLearnerStatus", learner)
+    reply = _ask(snap, access, addresses, "learner", learner_pb2_grpc.LearnerServiceStub, "GetLearnerStatus", learner)
     if reply is not None:
         metrics = dict(reply.last_step_metrics)
         snap.step, snap.learner_version = int(reply.step), int(reply.policy_version)
@@ -90,31 +97,35 @@ def gather(addresses: dict[str, str], redis_url: str, run_id: str, run_dir: Path
         if reply.HasField("last_step_time"):
             snap.learner_idle_s = max(0.0, time.time() - reply.last_step_time.ToDatetime().timestamp())
     router = rollout_pb2.GetRouterStatusRequest()
-    reply = _ask(snap, addresses, "router", rollout_pb2_grpc.RolloutServiceStub, "GetRouterStatus", router)
+    reply = _ask(snap, access, addresses, "router", rollout_pb2_grpc.RolloutServiceStub, "GetRouterStatus", router)
     if reply is not None:
         snap.router_version = int(reply.policy_version)
         snap.in_flight = int(reply.in_flight_request_count)
         snap.paused = bool(reply.paused)
         snap.engines_healthy = f"{sum(e.healthy for e in reply.engines)}/{len(reply.engines)}"
     pool = agent_pool_pb2.GetAgentPoolStatusRequest()
-    reply = _ask(snap, addresses, "agent_pool", agent_pool_pb2_grpc.AgentPoolServiceStub, "GetAgentPoolStatus", pool)
+    reply = _ask(
+        snap, access, addresses, "agent_pool", agent_pool_pb2_grpc.AgentPoolServiceStub, "GetAgentPoolStatus", pool
+    )
     if reply is not None:
         snap.episodes = int(reply.completed_episode_count)
         snap.failed_episodes = int(sum(reply.failed_episode_counts.values()))
     version = weights_pb2.GetPolicyVersionRequest()
-    reply = _ask(snap, addresses, "broadcaster", weights_pb2_grpc.WeightServiceStub, "GetPolicyVersion", version)
+    reply = _ask(
+        snap, access, addresses, "broadcaster", weights_pb2_grpc.WeightServiceStub, "GetPolicyVersion", version
+    )
     if reply is not None:
         snap.broadcaster_version = int(reply.policy_version.version)
         snap.published_step = int(reply.policy_version.learner_step)
         snap.refit_failure = reply.refit_failure
-    _queue_stats(snap, redis_url, run_id)
+    _queue_stats(snap, access, redis_url, run_id)
     evals = read_evals(run_dir / "eval.jsonl")
     snap.last_eval = evals[-1] if evals else None
     return snap
 
 
-def _queue_stats(snap: Snapshot, redis_url: str, run_id: str) -> None:
-    client = redis.Redis.from_url(redis_url, socket_timeout=RPC_TIMEOUT_S, socket_connect_timeout=RPC_TIMEOUT_S)
+def _queue_stats(snap: Snapshot, access: Access, redis_url: str, run_id: str) -> None:
+    client = access.redis(redis_url, socket_timeout=RPC_TIMEOUT_S, socket_connect_timeout=RPC_TIMEOUT_S)
     try:
         stats = TrajectoryQueue(client, run_id).stats()
         snap.queue_depth, snap.dead_letters = stats.depth, stats.dead_letters

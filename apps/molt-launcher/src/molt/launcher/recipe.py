@@ -223,18 +223,28 @@ def connect_address(listen: str) -> str:
 
 
 def wire(
-    recipe: Recipe, run_dir: Path, redis_url: str | None, ray_address: str | None, engine_nodes: list[int]
+    recipe: Recipe,
+    run_dir: Path,
+    redis_url: str | None,
+    ray_address: str | None,
+    engine_nodes: list[int],
+    token_file: Path | None = None,
 ) -> dict[str, Any]:
     """The effective recipe of a run: ``recipe``'s tables plus the launcher's wiring - the run
-    directory, the embedded Redis, the Ray cluster, each client pointed at the address its server
+    directory, the run's token file (the embedded Redis's password too), the embedded Redis, the Ray
+    cluster, each client pointed at the address its server
     listens on, the planned node of each engine on a cluster of several nodes, and (with the SFT
     warm-up) every model path pointed at the SFT output."""
     tables = apply_sets(recipe.tables, ())
     for name in ("run", *recipe.services):
         tables.setdefault(name, {})
     tables["run"]["run_dir"] = str(run_dir)
+    if token_file is not None:
+        tables["run"]["token_file"] = str(token_file)
     if redis_url is not None:
         tables["run"]["redis_url"] = redis_url
+        if token_file is not None:
+            tables["run"]["redis_password_file"] = str(token_file)
     if ray_address is not None:
         tables["router"]["ray_address"] = ray_address
         tables["broadcaster"]["ray_address"] = ray_address

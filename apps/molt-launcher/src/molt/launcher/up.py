@@ -24,6 +24,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from molt.core.auth import Access
+from molt.core.config import RunSettings
 from molt.core.errors import ConfigError
 from molt.core.processes import (
     ChildProcess,
@@ -35,6 +37,7 @@ from molt.core.processes import (
 from molt.launcher.plan import Plan, embedded_redis, plan_or_raise, preflight
 from molt.launcher.progress import Snapshot, gather, plot_rewards, status_line, summary
 from molt.launcher.recipe import SERVICES, Recipe, connect_address, is_model_dir, resolve_services, to_toml, wire
+from molt.launcher.run_secrets import embedded_redis_server, run_token
 from molt.launcher.state import ProcessRecord, RunState
 from molt.launcher.supervise import Restarts, cause_of, how_it_ended
 from molt.v1 import agent_pool_pb2, learner_pb2, rollout_pb2, weights_pb2
@@ -79,6 +82,7 @@ class Launch:
         self.restarts = Restarts(recipe.launcher.restarts, recipe.launcher.restart_backoff_s)
         self.engineless_polls = 0  # status lines in a row on which the router had no live engine
         self.config_path = run_dir / "config.toml"
+        self.access = Access()  # the run's token and TLS, once the config is written
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -146,9 +150,9 @@ class Launch:
             self.say(f"molt: building the tiny {'MoE ' if moe else ''}model at {model}")
             build(model, moe=moe, arch="qwen3" if moe else "qwen2")
         redis_url = None
+        token_file = run_token(self.recipe, self.run_dir)
         if embedded_redis(self.recipe):
-            # AOF: a redis-server restarted mid-run (molt.launcher.supervise) comes back with every entry.
-            self.redis = RedisServer(self.run_dir / "redis", appendonly=True)
+            self.redis = embedded_redis_server(self.run_dir, token_file, self.state.run_id)
             self.redis.start()
             redis_url = self.redis.url
             assert self.redis.process is not None
@@ -158,8 +162,9 @@ class Launch:
         ray_address = self.recipe.launcher.ray_address or self._start_ray_head()
         self.state.redis_url = redis_url or self.recipe.learner.run.redis_url
         self.state.ray_address = ray_address
-        tables = wire(self.recipe, self.run_dir, redis_url, ray_address, self.plan.engine_nodes())
+        tables = wire(self.recipe, self.run_dir, redis_url, ray_address, self.plan.engine_nodes(), token_file)
         self.config_path.write_text(to_toml(tables))
+        self.access = Access.of(RunSettings(**tables["run"]))
         resolved = resolve_services(tables, without=self.recipe.launcher.without)  # what each service loads
         snapshot = {
             "recipe": str(self.recipe.path),
@@ -249,7 +254,7 @@ class Launch:
         self.say(f"molt: starting {name} at {address} (log {child.log_path})")
         began = time.monotonic()
         try:
-            wait_serving(address, HEALTH_SERVICES[name], timeout_s, process)
+            wait_serving(address, HEALTH_SERVICES[name], timeout_s, process, self.access)
         except RuntimeError as exc:
             raise RuntimeError(f"{name} {exc}{cause_of(child.log_path)}; see {child.log_path}") from exc
         self.say(f"molt: {name} healthy after {time.monotonic() - began:.0f} s")
@@ -271,9 +276,8 @@ class Launch:
                     self.say("molt: the learner exited with 0")
                     return 0
                 self._restart(name, code)
-            snap = gather(
-                self.state.addresses(), self.state.redis_url, self.state.run_id, self.run_dir, self.state.max_steps
-            )
+            state = self.state
+            snap = gather(state.addresses(), state.redis_url, state.run_id, self.run_dir, state.max_steps, self.access)
             self._restart_router_without_engines(snap)
             line = status_line(snap, time.monotonic() - started, previous)
             if self.restarts.counts:

@@ -44,6 +44,24 @@ class RunSettings(BaseModel):
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server holding the trajectory queue.")
     run_dir: Path = Field(Path("runs/molt"), description="Directory for logs, metrics and checkpoints of the run.")
+    token_file: Path | None = Field(
+        None,
+        description="File (mode 0600) holding the run's bearer token: every gRPC server then refuses calls "
+        "without it (UNAUTHENTICATED; the health check stays open) and every client sends it. molt up writes "
+        "a fresh one per run; unset: no authentication (docs/security.md).",
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate the services serve gRPC with (TLS); with tls_key.")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert (mode 0600).")
+    tls_ca: Path | None = Field(
+        None,
+        description="PEM CA: clients verify the services against it, and services then require client "
+        "certificates it signed (mTLS). Unset with tls_cert set: clients trust tls_cert itself.",
+    )
+    redis_password_file: Path | None = Field(
+        None,
+        description="File (mode 0600) holding the Redis password (AUTH; the user is redis_url's). molt up's "
+        "embedded Redis uses token_file, for an ACL user limited to the run's keys.",
+    )
 
 
 class ServiceSettings(BaseSettings):

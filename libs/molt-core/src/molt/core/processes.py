@@ -12,6 +12,7 @@ and the launcher (``molt up``) both use these. Linux only (reads ``/proc``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from molt.core.auth import Access
 from molt.core.ports import free_port
 from molt.core.service_logs import log_tail
 
@@ -223,11 +225,17 @@ class ServiceProcess(ChildProcess):
             ) from exc
 
 
-def wait_serving(address: str, service: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:
+def wait_serving(
+    address: str,
+    service: str,
+    timeout_s: float,
+    process: subprocess.Popen[bytes] | None = None,
+    access: Access | None = None,
+) -> None:
     """Polls ``address``'s health check until ``service`` is SERVING; raises ``RuntimeError`` when
-    ``process`` exits first or ``timeout_s`` passes."""
+    ``process`` exits first or ``timeout_s`` passes. ``access``: the run's TLS (the check needs no token)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (access or Access()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -242,9 +250,9 @@ def wait_serving(address: str, service: str, timeout_s: float, process: subproce
     raise RuntimeError(f"not serving at {address} after {timeout_s} s")
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> str:
+def health_status(address: str, service: str = "", timeout_s: float = 2.0, access: Access | None = None) -> str:
     """One health check: 'SERVING', 'NOT_SERVING', ... or 'UNREACHABLE'."""
-    with grpc.insecure_channel(address) as channel:
+    with (access or Access()).channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -255,9 +263,19 @@ def health_status(address: str, service: str = "", timeout_s: float = 2.0) -> st
 
 
 class RedisServer:
-    """A ``redis-server`` child process on 127.0.0.1 with its data in ``data_dir``."""
+    """A ``redis-server`` child process on 127.0.0.1 with its data in ``data_dir``.
 
-    def __init__(self, data_dir: Path, *, appendonly: bool = False) -> None:
+    With ``password`` it has no default user: one ACL user, ``molt``, who must AUTH with the password
+    and may touch only keys and channels under ``key_prefix`` and no administrative command (the
+    ``@dangerous`` category: CONFIG, FLUSHALL, DEBUG, ...). The ACL file holds the password's SHA-256,
+    not the password.
+    """
+
+    USER = "molt"
+
+    def __init__(
+        self, data_dir: Path, *, appendonly: bool = False, password: str | None = None, key_prefix: str = "molt:"
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server; .ci/run does this)")
@@ -266,14 +284,28 @@ class RedisServer:
         self.appendonly = appendonly
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
+        self.password = password
         data_dir.mkdir(parents=True, exist_ok=True)
+        self.acl_file = data_dir / "users.acl"
+        if password is not None:
+            digest = hashlib.sha256(password.encode()).hexdigest()
+            self.acl_file.unlink(missing_ok=True)
+            fd = os.open(self.acl_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write("user default off\n")
+                out.write(f"user {self.USER} on #{digest} ~{key_prefix}* &{key_prefix}* +@all -@dangerous\n")
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        user = f"{self.USER}@" if self.password is not None else ""
+        return f"redis://{user}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30)
+        if self.password is None:
+            return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, username=self.USER, password=self.password, socket_timeout=30
+        )
 
     def start(self, port: int | None = None) -> None:
         """Starts the server (on ``port`` if given, else a free one) and waits until it answers PING."""
@@ -296,6 +328,8 @@ class RedisServer:
             ]
             if self.appendonly:
                 args += ["--appendonly", "yes", "--appendfsync", "always"]
+            if self.password is not None:
+                args += ["--aclfile", str(self.acl_file)]
             self.process = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
             )

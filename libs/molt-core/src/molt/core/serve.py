@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from prometheus_client import start_http_server
 
+from molt.core.auth import Access
 from molt.core.errors import (
     Aborted,
     Backpressure,
@@ -152,6 +153,7 @@ class ServiceHost:
     max_message_bytes: int = 16 * 1024 * 1024
     metrics_port: int = 0
     grace_s: float = 5.0
+    access: Access = field(default_factory=Access)  # the run's token and TLS (molt.core.auth)
     server: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
     port: int = field(init=False, default=0)
@@ -166,14 +168,14 @@ class ServiceHost:
             ("grpc.max_send_message_length", self.max_message_bytes),
             *KEEPALIVE_SERVER,
         ]
-        self.server = grpc.aio.server(options=options)
+        self.server = grpc.aio.server(options=options, interceptors=self.access.interceptors())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [r.service_name for r in self.registrations]
         for registration in self.registrations:
             registration.add(registration.servicer, self.server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(self.listen)
+        self.port = self.access.add_port(self.server, self.listen)
         if self.port == 0:
             raise OSError(f"{self.name}: cannot listen on {self.listen}")
         await self.server.start()
@@ -183,7 +185,10 @@ class ServiceHost:
             start_http_server(self.metrics_port, addr=self.listen.rsplit(":", 1)[0] or "127.0.0.1")
         self.stall_watch = StallWatch(self.name)
         self.stall_watch.start()
-        log.info("serving", extra={"listen": self.listen, "port": self.port, "metricsPort": self.metrics_port})
+        if not self.access.token:
+            log.warning("serving without authentication: [run] token_file is not set (docs/security.md)")
+        extra = {"listen": self.listen, "port": self.port, "metricsPort": self.metrics_port, "tls": self.access.tls}
+        log.info("serving", extra=extra)
         return self.port
 
     async def stop(self) -> None:

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 
 from molt.core import expert_routing
+from molt.core.auth import Access
 from molt.core.errors import InvalidInput, MoltError, Unavailable
 from molt.core.rollout import RolloutSettings
 from molt.core.serve import KEEPALIVE, error_info
@@ -94,10 +95,10 @@ def _to_error(exc: grpc.aio.AioRpcError) -> MoltError:
 class RouterClient:
     """Calls one rollout-router; every call has a deadline."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 600.0, access: Access | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=[*RECONNECT, *KEEPALIVE])
+        self.channel = (access or Access()).aio_channel(address, [*RECONNECT, *KEEPALIVE])
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     async def close(self) -> None:

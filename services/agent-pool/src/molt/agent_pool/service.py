@@ -6,7 +6,6 @@ Only wiring: what runs lives in the modules it builds (``front``, ``episodes``, 
 
 from __future__ import annotations
 
-import redis
 from transformers import AutoTokenizer
 
 from molt.agent_pool.agents import Env, load_agent
@@ -21,15 +20,17 @@ from molt.agent_pool.router_client import RouterClient
 from molt.agent_pool.server import AgentPoolServicer
 from molt.agent_pool.version_watch import VersionWatch
 from molt.core import rollout
+from molt.core.auth import Access
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import Registration, ServiceHost
 from molt.v1 import agent_pool_pb2, agent_pool_pb2_grpc
 
 
 async def serve(settings: AgentPoolSettings) -> None:
-    router = RouterClient(settings.router_address)
+    access = Access.of(settings.run)
+    router = RouterClient(settings.router_address, access=access)
     info = await router.info()  # fails fast, with the address, when the router is not there
-    client = redis.Redis.from_url(settings.run.redis_url)
+    client = access.redis(settings.run.redis_url)
     if info.rollout is not None:  # the router has no Redis: its clients record what it reports
         rollout.register(client, settings.run.run_id, "rollout-router", info.rollout)
     rollout.register(client, settings.run.run_id, "agent-pool", settings.rollout)
@@ -43,7 +44,7 @@ async def serve(settings: AgentPoolSettings) -> None:
     else:
         runner = chat_runner(agent_cls, front, base_url)
     queue = TrajectoryQueue(client, settings.run.run_id, max_length=settings.rollout.queue_max_length)
-    watch = VersionWatch(router)
+    watch = VersionWatch(router, access)
     watch.version = info.policy_version
     watch.start(settings.broadcaster_address)
     data = settings.data
@@ -74,6 +75,7 @@ async def serve(settings: AgentPoolSettings) -> None:
             )
         ],
         metrics_port=settings.metrics_port,
+        access=access,
     )
     await host.start()
     if evaluator is not None:

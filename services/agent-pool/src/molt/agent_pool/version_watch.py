@@ -14,6 +14,7 @@ import grpc
 
 from molt.agent_pool import metrics
 from molt.agent_pool.router_client import RouterClient
+from molt.core.auth import Access
 from molt.core.errors import Unavailable
 from molt.core.serve import KEEPALIVE
 from molt.v1 import weights_pb2, weights_pb2_grpc
@@ -34,8 +35,9 @@ class VersionWatch:
     an older version), so the watch keeps the highest it has heard of.
     """
 
-    def __init__(self, router: RouterClient) -> None:
+    def __init__(self, router: RouterClient, access: Access | None = None) -> None:
         self.router = router
+        self.access = access or Access()  # to the broadcaster: the run's token and TLS
         self.version = 0
         self.streaming = False  # the broadcaster's stream is up: news arrives without asking
         self.tasks: list[asyncio.Task[None]] = []
@@ -80,7 +82,7 @@ class VersionWatch:
         """Listens to the broadcaster's WatchPolicyVersion; reconnects every second while it is away."""
         while True:
             try:
-                async with grpc.aio.insecure_channel(address, options=KEEPALIVE) as channel:
+                async with self.access.aio_channel(address, KEEPALIVE) as channel:
                     stub = weights_pb2_grpc.WeightServiceStub(channel)
                     async for message in stub.WatchPolicyVersion(weights_pb2.WatchPolicyVersionRequest()):
                         if not self.streaming:

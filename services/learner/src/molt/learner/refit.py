@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
+from molt.core.auth import Access
 from molt.core.errors import Unavailable
 from molt.core.serve import KEEPALIVE
 from molt.core.weight_ipc import IpcWeightGroup, open_weight_group
@@ -85,9 +86,8 @@ class WeightPublisher:
     def __init__(self, settings: LearnerSettings, vocab_size: int, faults: Sequence[RefitFault] = ()) -> None:
         self.settings = settings
         self.faults = tuple(faults)  # on purpose, for tests and gates only (refit_faults)
-        self.channel = grpc.insecure_channel(
-            settings.broadcaster_address,
-            options=[("grpc.max_send_message_length", 64 * 1024 * 1024), *KEEPALIVE],
+        self.channel = Access.of(settings.run).channel(
+            settings.broadcaster_address, [("grpc.max_send_message_length", 64 * 1024 * 1024), *KEEPALIVE]
         )
         self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
         self.probe = probe_token_ids(vocab_size, settings.refit_probe_tokens)

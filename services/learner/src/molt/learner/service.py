@@ -18,11 +18,11 @@ import os
 import signal
 from collections.abc import Callable
 
-import redis
 import torch
 import torch.multiprocessing as mp
 
 from molt.core import rollout
+from molt.core.auth import Access
 from molt.core.log import setup_logging
 from molt.core.ports import free_port
 from molt.core.queue import TrajectoryQueue
@@ -47,7 +47,7 @@ def launch(settings: LearnerSettings, on_step: OnStep | None = None) -> None:
     run_dir = settings.run.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "learner-settings.json").write_text(settings.model_dump_json(indent=2))
-    with redis.Redis.from_url(settings.run.redis_url) as client:  # ConfigError: a service of the run disagrees
+    with Access.of(settings.run).redis(settings.run.redis_url) as client:  # ConfigError: a service of the run disagrees
         rollout.register(client, settings.run.run_id, "learner", settings.rollout)
     if settings.placement == "ray":
         from molt.learner.placement import launch_on_ray
@@ -104,7 +104,7 @@ def run_rank(
             follower.follow()
             finish_together(info)
             return
-        client = redis.Redis.from_url(settings.run.redis_url)
+        client = Access.of(settings.run).redis(settings.run.redis_url)
         queue = TrajectoryQueue(client, settings.run.run_id, consumer=f"learner-{rank}")
         if on_step is None and settings.refit_every > 0:
             on_step = WeightPublisher(settings, trainer.model.config.vocab_size)
@@ -135,6 +135,7 @@ async def serve(settings: LearnerSettings, loop: LearnerLoop, handle_signals: bo
             )
         ],
         metrics_port=settings.metrics_port,
+        access=Access.of(settings.run),
     )
     await host.start()
     if handle_signals:

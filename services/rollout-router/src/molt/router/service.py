@@ -11,6 +11,7 @@ import asyncio
 
 import ray
 
+from molt.core.auth import Access
 from molt.core.serve import Registration, ServiceHost
 from molt.router.config import RouterSettings
 from molt.router.engine_pool import EnginePool
@@ -46,6 +47,7 @@ async def serve(settings: RouterSettings) -> None:
         ],
         max_message_bytes=settings.max_message_bytes,
         metrics_port=settings.metrics_port,
+        access=Access.of(settings.run),
     )
     await host.start()
     await host.serve_until_signal(on_stop=pool.shutdown)

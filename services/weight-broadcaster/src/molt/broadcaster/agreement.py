@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 
 import grpc
-import redis
 
 from molt.broadcaster.config import BroadcasterSettings
 from molt.core import rollout
+from molt.core.auth import Access
 from molt.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ async def record_rollout(settings: BroadcasterSettings, router: rollout_pb2_grpc
     if not settings.publish_redis:
         return
     run_id = settings.run.run_id
-    with redis.Redis.from_url(settings.run.redis_url) as client:
+    with Access.of(settings.run).redis(settings.run.redis_url) as client:
         try:
             status = await router.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:  # the router may start later; its other clients record it then

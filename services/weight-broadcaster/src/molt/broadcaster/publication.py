@@ -19,6 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
+from molt.core.auth import Access
 from molt.core.errors import InvalidInput
 from molt.v1 import common_pb2
 
@@ -57,7 +58,7 @@ class Publisher:
         self.run_id = settings.run.run_id
         self.published = Published()
         self.published_here = 0  # the newest version this process published (a restored one does not count)
-        self.redis = aioredis.Redis.from_url(settings.run.redis_url) if settings.publish_redis else None
+        self.redis = Access.of(settings.run).aio_redis(settings.run.redis_url) if settings.publish_redis else None
         self._redis_write: asyncio.Task[None] | None = None  # the latest write of the published version
 
     async def restore(self) -> None:

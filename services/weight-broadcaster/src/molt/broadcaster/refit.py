@@ -23,6 +23,7 @@ from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
 from molt.broadcaster.membership import Membership
 from molt.broadcaster.publication import Publisher
+from molt.core.auth import Access
 from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
 from molt.core.serve import KEEPALIVE
 from molt.core.weightsync import ABANDONED, TensorMeta, check_manifest, manifest_to_json, plan_buckets, refit_keys
@@ -76,7 +77,7 @@ class Broadcaster:
         self.settings = settings
         self.lock = asyncio.Lock()
         self.responses: dict[str, weights_pb2.RefitWeightsResponse] = {}
-        self.channel = grpc.aio.insecure_channel(settings.router_address, options=KEEPALIVE)
+        self.channel = Access.of(settings.run).aio_channel(settings.router_address, KEEPALIVE)
         self.router = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.membership = Membership(settings, self.router)
         self.publisher = Publisher(settings)

@@ -16,6 +16,7 @@ from molt.broadcaster.agreement import record_rollout
 from molt.broadcaster.config import BroadcasterSettings
 from molt.broadcaster.refit import Broadcaster
 from molt.broadcaster.server import WeightServicer
+from molt.core.auth import Access
 from molt.core.serve import Registration, ServiceHost
 from molt.v1 import weights_pb2, weights_pb2_grpc
 
@@ -45,6 +46,7 @@ async def serve(settings: BroadcasterSettings) -> None:
             )
         ],
         metrics_port=settings.metrics_port,
+        access=Access.of(settings.run),
     )
     await host.start()
     await host.serve_until_signal(on_stop=broadcaster.close)

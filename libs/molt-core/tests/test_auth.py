@@ -1,0 +1,198 @@
+"""The run's token, TLS and Redis ACL (``molt.core.auth``), against real gRPC servers and a real
+redis-server on loopback.
+
+The served WeightService here is a stand-in, named as such (its methods answer fixed values): what is
+under test is the server's token check and the clients' channels, which every molt service shares
+(``ServiceHost``); each real service's refusal is checked in ``tests/e2e``."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from molt.core.auth import Access, read_secret, write_token
+from molt.core.config import RunSettings
+from molt.core.errors import ConfigError
+from molt.core.processes import RedisServer
+from molt.core.queue import TrajectoryQueue
+from molt.core.serve import Registration, ServiceHost
+from molt.core.testing import trajectory_group
+from molt.v1 import weights_pb2, weights_pb2_grpc
+
+NAME = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
+
+
+class StandInWeights(weights_pb2_grpc.WeightServiceServicer):  # a stand-in: fixed answers, counts its calls
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def GetPolicyVersion(self, request: Any, context: Any) -> weights_pb2.GetPolicyVersionResponse:
+        self.calls += 1
+        reply = weights_pb2.GetPolicyVersionResponse()
+        reply.policy_version.version = 7
+        return reply
+
+    async def WatchPolicyVersion(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.calls += 1
+        message = weights_pb2.WatchPolicyVersionResponse()
+        message.policy_version.version = 7
+        yield message
+
+
+def token_access(tmp_path: Path, **run: Any) -> Access:
+    write_token(tmp_path / "secrets" / "token")
+    return Access.of(RunSettings(token_file=tmp_path / "secrets" / "token", **run))
+
+
+async def calls(access: Access, server: Access, service: StandInWeights) -> dict[str, str]:
+    """Each kind of call through a channel of ``access`` to a host serving with ``server``: its status."""
+    host = ServiceHost("stand-in", "127.0.0.1:0", [Registration(
+        weights_pb2_grpc.add_WeightServiceServicer_to_server, service, NAME)], access=server)  # fmt: skip
+    port = await host.start()
+    seen: dict[str, str] = {}
+    try:
+        async with access.aio_channel(f"127.0.0.1:{port}") as channel:
+            stub = weights_pb2_grpc.WeightServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            checks = {
+                "unary": stub.GetPolicyVersion(weights_pb2.GetPolicyVersionRequest(), timeout=10),
+                "stream": _first(stub.WatchPolicyVersion(weights_pb2.WatchPolicyVersionRequest(), timeout=10)),
+                "health": health.Check(health_pb2.HealthCheckRequest(service=NAME), timeout=10),
+            }
+            for kind, call in checks.items():
+                try:
+                    await call
+                    seen[kind] = "OK"
+                except grpc.aio.AioRpcError as exc:
+                    seen[kind] = exc.code().name
+        with access.channel(f"127.0.0.1:{port}") as sync:  # the sync client (the learner's, the launcher's)
+            try:
+                await asyncio.to_thread(
+                    weights_pb2_grpc.WeightServiceStub(sync).GetPolicyVersion,
+                    weights_pb2.GetPolicyVersionRequest(),
+                    timeout=10,
+                )
+                seen["sync"] = "OK"
+            except grpc.RpcError as exc:
+                seen["sync"] = exc.code().name  # type: ignore[attr-defined]
+    finally:
+        await host.stop()
+    return seen
+
+
+async def _first(call: Any) -> Any:
+    async for message in call:
+        return message
+    return None
+
+
+def test_calls_without_the_token_are_refused_and_reach_nothing(tmp_path: Path) -> None:
+    server = token_access(tmp_path / "a")
+    other = token_access(tmp_path / "b")
+    service = StandInWeights()
+    refused = asyncio.run(calls(Access(), server, service))
+    wrong = asyncio.run(calls(other, server, service))
+    assert (
+        refused
+        == wrong
+        == {"unary": "UNAUTHENTICATED", "stream": "UNAUTHENTICATED", "health": "OK", "sync": "UNAUTHENTICATED"}
+    )
+    assert service.calls == 0  # the servicer never ran for them
+    assert asyncio.run(calls(server, server, service)) == dict.fromkeys(("unary", "stream", "health", "sync"), "OK")
+    assert service.calls == 3
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "secrets" / "token"
+    write_token(path)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert len(read_secret(path, "token").strip()) >= 32
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        Access.of(RunSettings(token_file=path))
+    path.write_text("\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="empty"):
+        Access.of(RunSettings(token_file=path))
+
+
+def _certificate(tmp_path: Path, name: str, issuer: tuple[Any, Any] | None = None) -> tuple[Path, Path, Any, Any]:
+    """A key and certificate for 127.0.0.1, signed by ``issuer`` (key, certificate) or by itself (a CA)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    signer_key, signer = issuer if issuer else (key, None)
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(signer.subject if signer else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    cert = builder.sign(signer_key, hashes.SHA256())
+    key_path, cert_path = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    key_path.chmod(0o600)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path, key, cert
+
+
+def test_mutual_tls_with_the_token(tmp_path: Path) -> None:
+    _, ca_path, ca_key, ca = _certificate(tmp_path, "ca")
+    server_key, server_cert, _, _ = _certificate(tmp_path, "server", (ca_key, ca))
+    client_key, client_cert, _, _ = _certificate(tmp_path, "client", (ca_key, ca))
+    _, stranger_cert, _, _ = _certificate(tmp_path, "stranger")  # self-signed: not the run's CA
+    server = token_access(tmp_path, tls_cert=server_cert, tls_key=server_key, tls_ca=ca_path)
+    client = token_access(tmp_path / "c", tls_cert=client_cert, tls_key=client_key, tls_ca=ca_path)
+    client = Access(server.token, client.cert, client.key, client.ca)
+    service = StandInWeights()
+    assert asyncio.run(calls(client, server, service)) == dict.fromkeys(("unary", "stream", "health", "sync"), "OK")
+    # No client certificate, or one the run's CA did not sign: the handshake fails, even the health check.
+    no_cert = Access(server.token, None, None, ca_path.read_bytes())
+    stranger = Access(server.token, stranger_cert.read_bytes(), client.key, ca_path.read_bytes())
+    for access in (no_cert, stranger, Access(server.token)):
+        assert set(asyncio.run(calls(access, server, service)).values()) == {"UNAVAILABLE"}
+
+
+def test_the_embedded_redis_lets_only_the_run_user_touch_the_runs_keys(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", password="s3cret-token", key_prefix="molt:run-a:")
+    server.start()
+    try:
+        assert "s3cret-token" not in (tmp_path / "redis" / "users.acl").read_text()
+        assert (tmp_path / "redis" / "users.acl").stat().st_mode & 0o777 == 0o600
+        anonymous = redis.Redis(port=server.port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        wrong = redis.Redis.from_url(server.url, password="guess")
+        with pytest.raises(redis.AuthenticationError):
+            wrong.ping()
+        client = Access(redis_password="s3cret-token").redis(server.url)
+        queue = TrajectoryQueue(client, "run-a", consumer="learner-0")
+        group = trajectory_group(run_id="run-a")
+        assert queue.put(group).entry_id is not None
+        assert [e.group.group_id for e in queue.read(count=4)] == [group.group_id]
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            TrajectoryQueue(client, "run-b").put(trajectory_group(run_id="run-b"))  # another run's keys
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.flushall()
+    finally:
+        server.stop()
