@@ -5,7 +5,8 @@ and do the same protobuf work (serialize on put, parse on read):
 
 - ours: ``TrajectoryQueue.put_many`` of a batch (structural check of every group; then, in two
   round trips on one connection, WATCH + XLEN + SMISMEMBER for the bound and the dedupe, and
-  MULTI + SADD + XADDs + EXEC), ``read`` (XREADGROUP + parse + check), ``ack`` (XDEL + XACK);
+  MULTI + SADD + XADDs + EXEC), ``read`` (the consumer-name check, one script; XREADGROUP + parse +
+  check), ``ack`` (one script: the consumer-name check, XDEL + XACK);
 - raw:  pipelined XADD of a batch, XREADGROUP of the batch, one XACK.
 
 Each round runs both sides on the same fresh groups, in alternating order (raw first in even
@@ -66,7 +67,9 @@ def run_ours(client: redis.Redis, run_id: str, groups, batch: int) -> float:
         entries = queue.read(count=batch)
         assert len(entries) == len(groups[i : i + batch])
         queue.ack([e.entry_id for e in entries])
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    queue.close()  # else its claim's renewal thread would run on through every later repetition
+    return elapsed
 
 
 def run_raw(client: redis.Redis, run_id: str, groups, batch: int) -> float:

@@ -8,7 +8,8 @@ entries and trains them again, then two more groups give step 4 -> SaveCheckpoin
 every produced id once, the last record of each step sums to the produced count,
 and nothing is left pending in the queue. The second: a learner killed while the
 queue is at its bound and it holds entries, behind which wait more groups than the
-bound that it skips whole (``test_a_learner_killed_at_the_queue_bound``).
+bound that it skips whole (``test_a_learner_killed_at_the_queue_bound``). The third: a learner
+frozen while a second one starts and takes its consumer name over; thawed, the first exits.
 """
 
 from __future__ import annotations
@@ -221,4 +222,49 @@ def test_a_learner_killed_at_the_queue_bound_loses_nothing_and_frees_the_produce
     assert sorted(history) == list(range(1, 8)) and all(record["samples"] == 8 for record in history.values())
     skipped = {raw.decode() for raw in redis_client.smembers(producer.keys.skipped_groups)}
     assert skipped == set(entry_ids[6:14])  # the future groups' entries, each counted once
+    assert producer.stats() == QueueStats(depth=0, pending=0, lag=0, dead_letters=0)
+
+
+def test_a_frozen_learner_loses_its_name_to_the_next_and_exits(
+    tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The first learner trains step 1 (not yet checkpointed) and is frozen (SIGSTOP), as a supervisor may
+    leave one it took for dead. A second on another port waits for the first's claim on learner-0 to
+    lapse, takes the name and trains step 1 again from the pending entries. Thawed, the first exits 1,
+    its log naming the cause, having acknowledged nothing; the second trains on and ends the queue empty."""
+    addresses = [f"127.0.0.1:{port}" for port in (free_port(), free_port())]
+    learners = []
+    for i, address in enumerate(addresses):
+        config = recipe(tmp_path, tiny_model, redis_server.url, int(address.split(":")[1]))
+        args = [sys.executable, "-m", "molt.learner", "--config", str(config.rename(tmp_path / f"learner-{i}.toml"))]
+        learners.append(ServiceProcess(args, address, tmp_path / f"learner-{i}.log"))
+    first, second = learners
+    producer = TrajectoryQueue(redis_client, RUN_ID)
+    groups = [named_group(f"g{i}", REWARDS, run_id=RUN_ID) for i in range(4)]
+    producer.put_many(groups[:2])
+
+    first.start(timeout_s=180)
+    try:
+        assert first.process is not None
+        wait_for(lambda: status(addresses[0]).step == 1, "step 1")
+        os.kill(first.process.pid, signal.SIGSTOP)
+        second.start(timeout_s=180)  # serves once it holds the name
+        wait_for(lambda: status(addresses[1]).step == 1, "step 1 in the second learner")
+        os.kill(first.process.pid, signal.SIGCONT)
+        assert first.process.wait(timeout=60) == 1
+        assert "stops: this reader no longer holds consumer name 'learner-0'" in first.log_path.read_text()
+        assert producer.stats().pending == 2  # step 1's entries: the first acknowledged nothing
+
+        producer.put_many(groups[2:])
+        wait_for(lambda: status(addresses[1]).last_checkpoint_step == 2, "the checkpoint of step 2")
+        with grpc.insecure_channel(addresses[1]) as channel:
+            stub = learner_pb2_grpc.LearnerServiceStub(channel)
+            assert stub.StopLearner(learner_pb2.StopLearnerRequest(save_checkpoint=True), timeout=60).step == 2
+        assert second.process is not None
+        assert second.process.wait(timeout=60) == 0
+    finally:
+        if first.process is not None and first.process.poll() is None:
+            os.kill(first.process.pid, signal.SIGCONT)
+        first.stop()
+        second.stop()
     assert producer.stats() == QueueStats(depth=0, pending=0, lag=0, dead_letters=0)

@@ -91,7 +91,7 @@ def test_concurrent_producers_queue_every_group_once(redis_client: redis.Redis) 
     """Writers racing on one queue (each transaction WATCHes the stream and the id set, so a
     collision aborts EXEC and the check runs again): every group lands exactly once, and of the
     groups that share trajectory ids across writers exactly one is queued per shared id."""
-    TrajectoryQueue(redis_client, RUN, consumer="c0")  # creates the consumer group
+    TrajectoryQueue(redis_client, RUN, consumer="c0").close()  # creates the consumer group, frees the name
     writers, batches, per_batch = 4, 15, 3
     contested = [uuid.uuid4().hex for _ in range(batches)]
     outcomes: list[list[PutResult]] = [[] for _ in range(writers)]

@@ -61,9 +61,10 @@ def test_entries_of_a_killed_consumer_are_reclaimed_once(redis_server: RedisServ
 
 
 def test_an_ack_cut_off_after_its_xdel_is_completed_by_the_next_reclaim(redis_client: redis.Redis) -> None:
-    """``ack`` sends XDEL, then XACK, without a transaction. The state a connection lost between the
-    two leaves (entries deleted from the stream, still pending for their consumer) is made here with
-    those two commands' first half; the next reclaim must acknowledge them and deliver nothing."""
+    """A reader that pipelines XDEL, then XACK, without a transaction (as another client may; this one
+    settles in one script) leaves, when its connection is lost between the two, entries deleted from the
+    stream and still pending for their consumer. Made here with those two commands' first half: the
+    next reclaim must acknowledge them and deliver nothing."""
     queue = TrajectoryQueue(redis_client, RUN, consumer="survivor", reclaim_after_s=0.2)
     for i in range(3):
         queue.put(make_group(prompt_id=f"p{i}"))
@@ -84,6 +85,7 @@ def test_restarted_consumer_gets_its_own_pending_entries_first(redis_client: red
     for i in range(4):
         first.put(make_group(prompt_id=f"p{i}"))
     held = first.read(count=2)
+    first.close()  # its process ends
     restarted = TrajectoryQueue(redis_client, RUN, consumer="learner-0")  # same name, new process
     again = restarted.read(count=2)
     assert [e.entry_id for e in again] == [e.entry_id for e in held]
@@ -105,6 +107,7 @@ def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
         server.start(port=port)
 
         client = server.client()
+        queue.close()  # the name's claim lived through the restart (AOF): free it for the next reader
         restarted = TrajectoryQueue(client, RUN, consumer="c0")
         assert restarted.stats().pending == 2
         recovered = restarted.read(count=10) + restarted.read(count=10)
@@ -124,6 +127,7 @@ def test_a_restarted_consumer_gets_back_every_entry_it_held(redis_client: redis.
     first.put_many([make_group(prompt_id=f"p{i}") for i in range(8)])
     held = [e.entry_id for e in first.read(count=7)]
     redis_client.xdel(QueueKeys(RUN).stream, held[2])
+    first.close()
     restarted = TrajectoryQueue(redis_client, RUN, consumer="learner-0")
     delivered = [e for _ in range(5) for e in restarted.read(count=3)]
     assert [e.entry_id for e in delivered[:6]] == held[:2] + held[3:]

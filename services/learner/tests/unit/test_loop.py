@@ -15,7 +15,7 @@ import torch
 from prometheus_client import REGISTRY
 from torch import nn
 
-from molt.core.errors import WrongState
+from molt.core.errors import ConsumerNameTaken, WrongState
 from molt.core.queue import TrajectoryQueue
 from molt.learner.checkpoint import Checkpoints
 from molt.learner.config import LearnerSettings
@@ -82,7 +82,10 @@ def test_redelivered_trajectories_are_not_trained_twice(
     producer = TrajectoryQueue(redis_client, "molt")
     first = [named_group("a", REWARDS), named_group("b", REWARDS)]
     producer.put_many(first)
-    assert make_loop(settings, redis_client).run() == 1
+    first_run = make_loop(settings, redis_client)
+    assert first_run.run() == 1
+    assert first_run.queue is not None
+    first_run.queue.close()  # as the process that ran it would on its way out: the next takes the name
 
     redis_client.xadd(producer.keys.stream, {"group": first[0].SerializeToString()})
     producer.put_many([named_group("c", REWARDS), named_group("d", REWARDS)])
@@ -273,3 +276,26 @@ def test_a_checkpoint_comes_early_when_trained_entries_would_fill_the_queue(
     assert loop.state.step == 5 and len(loop.state.consumed) == 40
     assert [p.name for p in loop.checkpoints.complete()] == ["step-00000002", "step-00000004", "step-00000005"]
     assert producer.stats().depth == 0
+
+
+def test_a_learner_that_lost_its_consumer_name_stops_before_its_checkpoint(
+    learner_settings: SettingsFactory, redis_client: redis.Redis
+) -> None:
+    """Another reader takes learner-0 during step 1 (as after this learner stalled past its claim's TTL):
+    the loop stops with ConsumerNameTaken at the checkpoint that follows, writing none and acknowledging
+    nothing, so the step's two entries stay pending for the new holder."""
+    settings = learner_settings(checkpoint_every=1, max_steps=1, poll_s=0.1)
+    producer = TrajectoryQueue(redis_client, "molt")
+    producer.put_many([named_group(f"g{i}", REWARDS) for i in range(2)])
+    claim = "molt:molt:consumer:learner-0"
+
+    def on_step(step: int, model: nn.Module) -> None:
+        redis_client.set(claim, "successor", px=30_000)  # what the successor's take writes
+        redis_client.set(f"{claim}:taker", "successor")
+
+    loop = make_loop(settings, redis_client, on_step)
+    with pytest.raises(ConsumerNameTaken):
+        loop.run()
+    assert loop.checkpoints.complete() == []
+    stats = producer.stats()
+    assert (stats.depth, stats.pending) == (2, 2)

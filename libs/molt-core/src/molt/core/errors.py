@@ -39,6 +39,13 @@ class WrongState(MoltError):
     reason = "FAILED_PRECONDITION"
 
 
+class ConsumerNameTaken(WrongState):
+    """Another queue reader holds this reader's consumer name (``molt.core.consumer_claim``): a reader
+    that catches it stops without acknowledging anything, rather than handle it like another WrongState."""
+
+    reason = "CONSUMER_NAME_TAKEN"
+
+
 class Unavailable(MoltError):
     """A dependency (engine, Redis, peer) cannot be reached (maps to UNAVAILABLE)."""
 

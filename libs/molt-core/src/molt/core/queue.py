@@ -5,10 +5,11 @@ Keys of run ``<run>`` (``QueueKeys``): ``molt:<run>:trajectories``, the stream
 trajectory id ever queued (dedupe); ``molt:<run>:trajectories:dead``, the dead
 letters (reason, entry id, size, the payload's first ``DEAD_PAYLOAD_BYTES``; about
 the newest ``DEAD_LETTERS_KEPT``); ``molt:<run>:groups-skipped``, the entries settled
-without training, which a producer pacing itself on the policy version starts again.
+without training, which a producer pacing itself on the policy version starts again;
+``molt:<run>:consumer:<name>``, the claim of the one reader of that name (``consumer_claim.py``).
 Entries are acknowledged and deleted together (XACK + XDEL) once the consumer's use
 is committed, so the stream length is the work not yet done and bounds the queue.
-How ``put`` writes atomically: ``queue_writes.py``.
+How ``put`` writes atomically: ``queue_writes.py``; how the reader settles entries: ``queue_settle.py``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from typing import Any
 import redis
 from google.protobuf.message import DecodeError
 from redis.client import Pipeline
+from redis.commands.core import Script
 
+from molt.core.consumer_claim import ConsumerClaim
 from molt.core.errors import Backpressure, InvalidInput
+from molt.core.queue_settle import DEAD_LETTER_SCRIPT, SETTLE_SCRIPT
 from molt.core.queue_writes import PAYLOAD_FIELD, PUT_SCRIPT, put_transaction, with_trajectories
 from molt.core.trajectory import group_problems
 from molt.v1 import common_pb2
@@ -93,7 +97,8 @@ class TrajectoryQueue:
     then waits up to its ``timeout`` and raises ``Backpressure`` - it never
     drops. ``max_entry_bytes`` bounds one serialized group: ``put`` refuses a
     larger one, the reader dead-letters it. A consumer reads as ``consumer``; entries another consumer left
-    pending longer than ``reclaim_after_s`` are claimed (XAUTOCLAIM) on read.
+    pending longer than ``reclaim_after_s`` are claimed (XAUTOCLAIM) on read. One instance at a time reads
+    under a name (``consumer_claim.py``): its claim lapses ``claim_ttl_s`` unrenewed; ``close`` frees it.
     """
 
     def __init__(
@@ -105,9 +110,10 @@ class TrajectoryQueue:
         consumer: str | None = None,
         reclaim_after_s: float = 60.0,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        claim_ttl_s: float = 15.0,
     ) -> None:
-        if max_length < 1:
-            raise InvalidInput(f"max_length must be >= 1, got {max_length}")
+        if max_length < 1 or claim_ttl_s <= 0:
+            raise InvalidInput(f"max_length must be >= 1 and claim_ttl_s > 0, got {max_length}, {claim_ttl_s}")
         self.client = client
         self.keys = QueueKeys(run_id)
         self.max_length = max_length
@@ -115,12 +121,17 @@ class TrajectoryQueue:
         self.consumer = consumer
         self.reclaim_after_s = reclaim_after_s
         self._put = client.register_script(PUT_SCRIPT)
+        self._settle_entries = client.register_script(SETTLE_SCRIPT)
+        self._dead_letter_entry = client.register_script(DEAD_LETTER_SCRIPT)
+        self._claim: ConsumerClaim | None = None
         self._held: set[str] = set()  # delivered to this instance, not yet acknowledged
         self._own_pending_from: str | None = "0"  # where re-reading this name's pending entries goes on; None: done
         self._reclaim_from = "0-0"  # XAUTOCLAIM's cursor through the pending entries of every consumer
         self._next_reclaim = 0.0  # monotonic time of the next XAUTOCLAIM check
         if consumer is not None:
             self._ensure_group()
+            self._claim = ConsumerClaim(client, run_id, consumer, claim_ttl_s)
+            self._claim.take()
 
     def _ensure_group(self) -> None:
         try:
@@ -227,10 +238,11 @@ class TrajectoryQueue:
         consumers left idle past ``reclaim_after_s`` (looked for at most every
         quarter of it, so such an entry comes back within 1.25x the timeout),
         then new entries in stream order (waiting up to ``block_s`` for one).
-        Malformed entries go to the dead-letter stream.
+        Malformed entries go to the dead-letter stream. Refused (``ConsumerNameTaken``) once another reader
+        holds the name: checked before reading (XREADGROUP cannot block in a script), as a read racing a
+        take-over only adds to the name's pending entries, which the new holder reclaims.
         """
-        if self.consumer is None:
-            raise InvalidInput("this TrajectoryQueue has no consumer name; it can only put")
+        self.confirm_consumer()
         raw: list[tuple[bytes, dict[bytes, bytes]]] = []
         while self._own_pending_from is not None and not raw:  # a batch of deleted entries only: read on
             raw += self._own_pending(count)
@@ -314,29 +326,20 @@ class TrajectoryQueue:
             self._held.discard(entry.entry_id)
 
     def _dead_letter(self, entry_id: str, payload: bytes, reason: str) -> None:
+        letter = (reason, entry_id, len(payload), payload[:DEAD_PAYLOAD_BYTES])
+        self._as_holder(self._dead_letter_entry, DEAD_LETTERS_KEPT, *letter)
         log.error("queue entry moved to dead letters", extra={"entry_id": entry_id, "reason": reason})
-        letter = {"reason": reason, "entry_id": entry_id, "bytes": len(payload), "group": payload[:DEAD_PAYLOAD_BYTES]}
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.dead_letters, letter, maxlen=DEAD_LETTERS_KEPT, approximate=True)
-            pipe.xack(self.keys.stream, CONSUMER_GROUP, entry_id)
-            pipe.xdel(self.keys.stream, entry_id)
-            pipe.sadd(self.keys.skipped_groups, entry_id)
-            pipe.execute()
 
     def skip(self, entry_ids: Sequence[str]) -> None:
         """Settles entries this consumer read and will not train on: records them (see ``skipped``; by
-        id, so one counted again is counted once) and acknowledges them, in one transaction. A skip is
+        id, so one counted again is counted once) and acknowledges them, in one script. A skip is
         final and nothing of it is in any weights, so it waits for no checkpoint; record and ack go
         together, so a crash leaves an entry either still pending (read and decided again) or counted
         and gone, never gone uncounted. Held until a checkpoint, a learner that skips everything would
         fill the queue's bound with them and then wait for entries no producer could put."""
         if not entry_ids:
             return
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.sadd(self.keys.skipped_groups, *entry_ids)
-            pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
-            pipe.xdel(self.keys.stream, *entry_ids)
-            pipe.execute()
+        self._as_holder(self._settle_entries, "1", *entry_ids)
         self._held.difference_update(entry_ids)
 
     def skipped(self) -> int:
@@ -346,20 +349,35 @@ class TrajectoryQueue:
         return int(self.client.scard(self.keys.skipped_groups))
 
     def ack(self, entry_ids: Sequence[str]) -> int:
-        """Acknowledges and deletes entries (call only after their use is committed); returns how many were pending.
-
-        XDEL goes first, without a transaction: if the connection dies between the two, the entry is
-        gone from the stream but still pending, and the next reclaim acknowledges it (XAUTOCLAIM
-        reports it as deleted); the other order could leave an acknowledged entry in the stream,
-        holding a place in the bound forever."""
+        """Acknowledges and deletes entries (call only after their use is committed); returns how many were
+        pending. Like ``skip`` and ``dead_letter``, one script that first checks the consumer name: once
+        another reader holds it, it raises ``ConsumerNameTaken`` and changes nothing."""
         if not entry_ids:
             return 0
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.xdel(self.keys.stream, *entry_ids)
-            pipe.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
-            _, acked = pipe.execute()
+        acked = self._as_holder(self._settle_entries, "0", *entry_ids)
         self._held.difference_update(entry_ids)
         return int(acked)
+
+    def confirm_consumer(self) -> None:
+        """Renews this reader's claim on its name; raises ``ConsumerNameTaken`` when another reader holds it
+        (for a caller about to do what only the name's holder may, as the learner before a checkpoint)."""
+        self._reader().confirm()
+
+    def _as_holder(self, script: Script, *args: Any) -> Any:
+        """A ``queue_settle.py`` script on this run's keys, refused unless this reader holds its name."""
+        keys = [self.keys.stream, self.keys.skipped_groups, self.keys.dead_letters]
+        return self._reader().run(script, keys, [CONSUMER_GROUP, *args])
+
+    def _reader(self) -> ConsumerClaim:
+        if self._claim is None:
+            raise InvalidInput("this TrajectoryQueue has no consumer name; it can only put")
+        return self._claim
+
+    def close(self) -> None:
+        """Gives up this reader's consumer name (nothing for a producer, or once another reader took it),
+        so that the reader started next takes it at once rather than after the claim's TTL."""
+        if self._claim is not None:
+            self._claim.release()
 
     def stats(self) -> QueueStats:
         """Depth, pending, lag and dead letters, read from Redis now."""

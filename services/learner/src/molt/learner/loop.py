@@ -338,6 +338,9 @@ class LearnerLoop:
             # No step since: nothing new to save (and nothing settled, skipped entries being acknowledged).
             path = newest
         else:
+            # Only the holder of the queue's consumer name writes the run's checkpoints: a learner that lost it
+            # would write over its successor's steps (a stall between this check and the save still races).
+            self.redis.call("confirming the consumer name", self.queue.confirm_consumer)
             self._broadcast(("checkpoint", self.state))
             path = self.checkpoints.save(self.trainer, self.state)
         acked = self.redis.call("acknowledging entries", self.queue.ack, self.settled)

@@ -13,6 +13,7 @@ the loop after its current step, with a checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ import torch.multiprocessing as mp
 
 from molt.core import rollout
 from molt.core.auth import Access
+from molt.core.errors import ConsumerNameTaken
 from molt.core.log import setup_logging
 from molt.core.ports import free_port
 from molt.core.queue import TrajectoryQueue
@@ -105,17 +107,24 @@ def run_rank(
             finish_together(info)
             return
         client = Access.of(settings.run).redis(settings.run.redis_url)
-        queue = TrajectoryQueue(client, settings.run.run_id, consumer=f"learner-{rank}")
-        if on_step is None and settings.refit_every > 0:
-            on_step = WeightPublisher(settings, trainer.model.config.vocab_size)
-            on_step.register()
-        loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, rank=info, on_step=on_step)
-        resumed = loop.resume()
-        loop.metrics = MetricsLog(settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed)
-        if on_loop is not None:
-            on_loop(loop)
-        asyncio.run(serve(settings, loop, handle_signals=on_loop is None))
+        # Waits for a dead predecessor's claim on the name to lapse; closed, frees it for the next one.
+        with contextlib.closing(TrajectoryQueue(client, settings.run.run_id, consumer=f"learner-{rank}")) as queue:
+            if on_step is None and settings.refit_every > 0:
+                on_step = WeightPublisher(settings, trainer.model.config.vocab_size)
+                on_step.register()
+            loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, rank=info, on_step=on_step)
+            resumed = loop.resume()
+            loop.metrics = MetricsLog(settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed)
+            if on_loop is not None:
+                on_loop(loop)
+            asyncio.run(serve(settings, loop, handle_signals=on_loop is None))
         finish_together(info)
+    except ConsumerNameTaken as exc:
+        # Another learner process reads under this name (it took over while this one stalled, or runs
+        # beside it): end without a traceback and without acknowledging anything, non-zero, so that a
+        # supervisor restarts this one, which resumes from the newest checkpoint.
+        log.error("learner rank %d stops: %s", rank, exc.message, extra={"reason": exc.reason})
+        raise SystemExit(1) from exc
     except Exception:
         log.exception("learner rank %d failed", rank)  # one error line with the cause, for logs and `molt up`
         raise
