@@ -49,6 +49,20 @@ def write_token(path: Path) -> None:
         out.write(secrets.token_urlsafe(32) + "\n")
 
 
+def store_namespace(token: str | None) -> str:
+    """The prefix of every key of the weight group's store (``""`` without a token).
+
+    torch's TCPStore has no authentication: anyone who reaches its port may read and write keys. Derived
+    from the token, the prefix keeps the group's keys out of reach of a peer without it: such a peer
+    cannot find the broadcaster's go for a refit, rendezvous with the group's ranks, or release a refit
+    by writing its ready key. It can still write keys of its own (memory) - the store binds only to
+    ``[broadcaster] store_host`` for that reason.
+    """
+    if not token:
+        return ""
+    return "molt-" + hmac.new(token.encode(), b"molt weight group", "sha256").hexdigest()[:32] + "/"
+
+
 def read_secret(path: Path, what: str) -> bytes:
     """The contents of a secret file; ``ConfigError`` when it is missing, empty, or readable by others."""
     try:

@@ -25,6 +25,7 @@ from molt.core.weightsync import (
     TensorMeta,
     WeightGroup,
     bucket_layout,
+    open_store,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
@@ -58,11 +59,12 @@ class IpcWeightGroup:
         device: torch.device,
         timeout_s: float = 600.0,
         ready_key: str = "",
+        namespace: str = "",
     ) -> None:
         if device.type != "cuda":
             raise ValueError(f"the {IPC_BACKEND} weight group needs a CUDA device, not {device}")
         self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(store_host, store_port, is_master=False, timeout=self.timeout, use_libuv=True)
+        self.store = open_store(store_host, store_port, self.timeout, namespace)
         if ready_key:
             wait_for_sender(self.store, ready_key)
         self.keys = dist.PrefixStore(f"molt-weights/{generation}/ipc", self.store)

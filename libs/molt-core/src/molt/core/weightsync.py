@@ -221,13 +221,20 @@ def wait_for_sender(store: dist.Store, ready_key: str) -> None:
         raise RuntimeError(f"refit abandoned before the sender came ({ready_key}): the learner is gone")
 
 
+def open_store(host: str, port: int, timeout: timedelta, namespace: str = "") -> dist.Store:
+    """A client of the group's store; its keys under ``namespace`` (``molt.core.auth.store_namespace``)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
+    return dist.PrefixStore(namespace, store) if namespace else store
+
+
 class WeightGroup:
     """A standalone process group over a TCPStore: rank 0 sends, every other rank receives.
 
     ``timeout_s`` bounds each broadcast. On gloo, ``join_timeout_s`` (unset: ``timeout_s``) bounds
     the rendezvous in the constructor instead: a rank that dies while the others join holds them
     that long. (NCCL rendezvouses at its first broadcast, under NCCL's own timeout.) A receiver given
-    ``ready_key`` first waits for the sender to be on its way (``wait_for_sender``).
+    ``ready_key`` first waits for the sender to be on its way (``wait_for_sender``). ``namespace``: the
+    run's prefix of the store's keys (``open_store``).
     """
 
     def __init__(
@@ -243,10 +250,11 @@ class WeightGroup:
         timeout_s: float = 600.0,
         join_timeout_s: float | None = None,
         ready_key: str = "",
+        namespace: str = "",
     ) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.timeout = timeout
-        store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, use_libuv=True)
+        store = open_store(store_host, store_port, timeout, namespace)
         self.store = store  # unprefixed: the refits' go and ready keys
         if ready_key:
             wait_for_sender(store, ready_key)

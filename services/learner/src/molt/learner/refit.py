@@ -30,11 +30,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
-from molt.core.auth import Access
+from molt.core.auth import Access, store_namespace
 from molt.core.errors import Unavailable
 from molt.core.serve import KEEPALIVE
 from molt.core.weight_ipc import IpcWeightGroup, open_weight_group
-from molt.core.weightsync import TensorMeta, WeightGroup, refit_keys
+from molt.core.weightsync import TensorMeta, WeightGroup, open_store, refit_keys
 from molt.learner.config import LearnerSettings
 from molt.learner.refit_faults import RefitFault, with_faults
 from molt.v1 import weights_pb2, weights_pb2_grpc
@@ -86,7 +86,9 @@ class WeightPublisher:
     def __init__(self, settings: LearnerSettings, vocab_size: int, faults: Sequence[RefitFault] = ()) -> None:
         self.settings = settings
         self.faults = tuple(faults)  # on purpose, for tests and gates only (refit_faults)
-        self.channel = Access.of(settings.run).channel(
+        access = Access.of(settings.run)
+        self.namespace = store_namespace(access.token)  # the weight group's keys (molt.core.auth)
+        self.channel = access.channel(
             settings.broadcaster_address, [("grpc.max_send_message_length", 64 * 1024 * 1024), *KEEPALIVE]
         )
         self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
@@ -128,7 +130,7 @@ class WeightPublisher:
             raise Unavailable(f"weight-broadcaster at {self.settings.broadcaster_address}: {exc}") from exc
         self.host, port = reply.rendezvous_address.rsplit(":", 1)
         self.port = int(port)
-        self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
+        self.store = open_store(self.host, self.port, timedelta(seconds=60), self.namespace)
         log.info("registered with the weight-broadcaster", extra={"rendezvous": reply.rendezvous_address})
 
     def wants(self, step: int) -> bool:
@@ -346,6 +348,7 @@ class WeightPublisher:
                 # Twice the engine workers' bound: they may still be in the rendezvous of a learner that
                 # died joining (for up to theirs) when this one starts waiting for them.
                 join_timeout_s=2 * go["join_timeout_s"],
+                namespace=self.namespace,
             )
             self.generation = go["generation"]
         assert self.group is not None

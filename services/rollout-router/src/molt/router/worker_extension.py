@@ -85,6 +85,7 @@ class WeightReceiver:
         timeout_s: float,
         ready_key: str = "",
         join_timeout_s: float | None = None,
+        namespace: str = "",
     ) -> int:
         """Joins the weight group as rank ``first_rank + self.rank``; blocks until every rank has joined
         (at most ``join_timeout_s`` on gloo). With ``ready_key``, first waits for the learner to be on
@@ -102,6 +103,7 @@ class WeightReceiver:
             timeout_s=timeout_s,
             join_timeout_s=join_timeout_s,
             ready_key=ready_key,
+            namespace=namespace,
         )
         old = getattr(self, "_molt_group", None)
         if old is not None:

@@ -20,7 +20,9 @@ class BroadcasterSettings(ServiceSettings):
     )
     store_port: int = Field(0, ge=0, le=65535, description="TCPStore port of the weight group; 0 picks a free one.")
     store_host: str = Field(
-        "127.0.0.1", description="Address the learner and engine workers use to reach the TCPStore (this host)."
+        "127.0.0.1",
+        description="Address the learner and engine workers use to reach the TCPStore (this host); the store "
+        "listens on this address only.",
     )
     backend: Literal["auto", "nccl", "gloo", "cuda_ipc"] = Field(
         "auto",

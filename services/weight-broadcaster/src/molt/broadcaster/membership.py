@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import grpc
 import torch.distributed as dist
 
 from molt.broadcaster.config import BroadcasterSettings
+from molt.core.auth import Access, store_namespace
 from molt.core.errors import InvalidInput, Unavailable
 from molt.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -50,16 +52,25 @@ class Membership:
     def __init__(self, settings: BroadcasterSettings, router: rollout_pb2_grpc.RolloutServiceStub) -> None:
         self.settings = settings
         self.router = router
-        self.store: dist.TCPStore | None = None
+        self.store: dist.Store | None = None
         self.store_port = settings.store_port
+        self.namespace = store_namespace(Access.of(settings.run).token)  # every key of the group's store
         self.engines: dict[str, Engine] = {}
         self.group = GroupState()
 
     def open_store(self) -> None:
-        """Opens the TCPStore the group rendezvous on."""
-        self.store = dist.TCPStore("0.0.0.0", self.store_port, is_master=True, wait_for_workers=False, use_libuv=True)
-        self.store_port = self.store.port
-        log.info("weight-group store open", extra={"port": self.store_port})
+        """Opens the TCPStore the group rendezvous on, listening on ``store_host`` only (a TCPStore left to
+        itself listens on every interface), its keys under the run's namespace."""
+        host = self.settings.store_host
+        family = socket.getaddrinfo(host, self.store_port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, self.store_port), family=family)
+        port = listener.getsockname()[1]
+        # The store's server takes the bound socket over (and closes it): Python lets go of it.
+        fd = listener.detach()
+        master = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=fd)
+        self.store = dist.PrefixStore(self.namespace, master) if self.namespace else master
+        self.store_port = port
+        log.info("weight-group store open", extra={"host": host, "port": port, "namespaced": bool(self.namespace)})
 
     @property
     def rendezvous_address(self) -> str:

@@ -348,6 +348,7 @@ class Broadcaster:
                         timeout,
                         ready_key,
                         self.settings.join_timeout_s,
+                        membership.namespace,
                     )
                     joins.append(engine.actor.collective_rpc.remote("join_weight_group", args))
             bucket_bytes = self._bucket_bytes(request)
