@@ -20,7 +20,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # chat_formats and tools import this module
+    from molt.agent_pool.chat_formats import ParsedReply
+    from molt.agent_pool.tools import Tool
 
 Message = dict[str, Any]  # an OpenAI-style chat message: {"role": ..., "content": ..., ["tool_calls"]}
 Prompt = dict[str, Any]  # one row of the prompt dataset (molt.agent_pool.dataset)
@@ -48,7 +52,8 @@ class AgentResult:
 class Env(ABC):
     """An environment molt drives: the model's text goes in, observations and rewards come out.
 
-    Class attributes: ``tools`` (OpenAI tool schemas rendered into the prompt), ``max_turns``,
+    Class attributes: ``tools`` (``@tool`` functions, ``molt.agent_pool.tools``, or plain OpenAI tool
+    schemas, rendered into the prompt; ``call_tools`` runs the model's calls to the former), ``max_turns``,
     ``max_tokens`` (sampled tokens per turn; ``None``: the pool's ``max_tokens``; an Env may set it
     per episode in ``reset``, and it never exceeds the pool's).
 
@@ -63,9 +68,16 @@ class Env(ABC):
                 return StepResult(reward=float(action.strip() == self.target), done=True)
     """
 
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool | dict[str, Any]] | None = None
     max_turns: int = 8
     max_tokens: int | None = None
+
+    async def call_tools(self, reply: ParsedReply) -> list[Message]:
+        """Runs the reply's tool calls against this Env's ``@tool`` functions (untrusted ones in the
+        sandbox); one ``tool`` message per call, an ``error: ...`` one for a call that failed."""
+        from molt.agent_pool.tools import call_tools
+
+        return await call_tools(self.tools, reply)
 
     @abstractmethod
     def reset(self, prompt: Prompt) -> list[Message] | Awaitable[list[Message]]:

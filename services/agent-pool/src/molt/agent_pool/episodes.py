@@ -21,6 +21,7 @@ from molt.agent_pool import metrics
 from molt.agent_pool.agents import AgentResult, ChatAgent, Env, Message, Prompt
 from molt.agent_pool.calls import AgentThread, has_plain_methods, within
 from molt.agent_pool.router_client import GenerationRequest, RouterClient
+from molt.agent_pool.tools import tool_schemas
 from molt.agent_pool.transcript import Segment, Transcript
 from molt.core.errors import Unavailable
 
@@ -123,7 +124,7 @@ async def _play(
     messages = _messages(await thread.call(env.reset, prompt), "reset()")
     reward, finish = 0.0, "length"
     for turn in range(env.max_turns):
-        plan = transcript.plan(messages, env.tools)
+        plan = transcript.plan(messages, tool_schemas(env.tools))
         cap = limits.max_tokens if env.max_tokens is None else min(env.max_tokens, limits.max_tokens)
         budget = limits.budget(cap, len(plan.prompt_ids))
         if budget < 1:
