@@ -14,7 +14,10 @@ with the documented atomic put (docs/queue.md), paced on the policy version as t
 
 Prompts: a JSONL file of ``{"id": str, "prompt_token_ids": [int], "feedback_token_ids": [int]}``
 (a real pool would apply the model's chat template to get them).
-Usage: ``python examples/custom_pool.py --learner HOST:PORT --router HOST:PORT --prompts FILE``.
+Usage: ``python examples/custom_pool.py --learner HOST:PORT --router HOST:PORT --prompts FILE
+--token-file RUN_DIR/secrets/token``. Every call carries the run's token as ``authorization: Bearer``
+metadata (docs/security.md); a run's embedded Redis takes the same token as its password
+(``--redis-password-file``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import redis
 
 from molt.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
+AUTH: list[tuple[str, str]] = []  # the run's token as call metadata, once read (--token-file)
 # The put script of docs/queue.md. KEYS: stream, seen-ids set. ARGV: max_length, payload, trajectory ids...
 PUT = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return {'full'} end
@@ -90,7 +94,7 @@ def generate(
         prompt_token_ids=prompt,
         sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens),
     )
-    return stub.Generate(request, timeout=300).completions[0]
+    return stub.Generate(request, timeout=300, metadata=AUTH).completions[0]
 
 
 def run_episode(stub: rollout_pb2_grpc.RolloutServiceStub, line: dict, max_tokens: int) -> Episode:
@@ -158,7 +162,7 @@ def run_settings(learner: str, timeout_s: float = 300.0) -> learner_pb2.GetRunSe
         stub = learner_pb2_grpc.LearnerServiceStub(channel)
         while True:
             try:
-                return stub.GetRunSettings(learner_pb2.GetRunSettingsRequest(), timeout=10)
+                return stub.GetRunSettings(learner_pb2.GetRunSettingsRequest(), timeout=10, metadata=AUTH)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise
@@ -171,7 +175,7 @@ def wait_for_version(
     """Group ``index`` starts once the policy version is index // groups_per_step - max_staleness, so the
     learner, training it in its slot, finds it at most max_staleness versions old (docs/queue.md)."""
     needed = index // rollout.groups_per_step - rollout.max_staleness
-    while stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30).policy_version < needed:
+    while stub.GetRouterStatus(rollout_pb2.GetRouterStatusRequest(), timeout=30, metadata=AUTH).policy_version < needed:
         time.sleep(0.2)
 
 
@@ -180,12 +184,21 @@ def main() -> None:
     parser.add_argument("--learner", required=True, help="LearnerService address host:port (the run's settings)")
     parser.add_argument("--router", required=True, help="RolloutService address host:port")
     parser.add_argument("--prompts", required=True, help="JSONL prompt token ids")
+    parser.add_argument("--token-file", help="the run's token ([run] token_file); every call sends it")
+    parser.add_argument("--redis-password-file", help="the run's Redis password (molt up's own Redis: the token)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-groups", type=int, default=0, help="stop after this many groups; 0: cycle forever")
     args = parser.parse_args()
+    if args.token_file:
+        with open(args.token_file) as token:
+            AUTH.append(("authorization", f"Bearer {token.read().strip()}"))
+    password = None
+    if args.redis_password_file:
+        with open(args.redis_password_file) as secret:
+            password = secret.read().strip()
     run = run_settings(args.learner)
     size = run.rollout.group_size
-    client = redis.Redis.from_url(run.redis_url)
+    client = redis.Redis.from_url(run.redis_url, password=password)
     with open(args.prompts) as lines:
         prompts = [json.loads(raw) for raw in lines]
     entries = []

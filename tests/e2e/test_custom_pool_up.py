@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,12 @@ def test_molt_up_without_the_agent_pool_trains_on_an_outside_producer(
     prompts(tiny_model, tmp_path / "prompts.jsonl")
     out, pool_out = tmp_path / "molt-up.log", tmp_path / "pool.log"
     producer = [sys.executable, str(EXAMPLE), "--learner", learner, "--router", router, "--max-tokens", "8"]
-    producer += ["--prompts", str(tmp_path / "prompts.jsonl")]
+    producer += ["--prompts", str(tmp_path / "prompts.jsonl"), "--token-file", str(run_dir / "secrets" / "token")]
     with out.open("wb") as sink, pool_out.open("wb") as pool_sink:
         run = subprocess.Popen(args, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        while not (run_dir / "secrets" / "token").exists():  # written first, before any service starts
+            assert run.poll() is None, log_tail(out, 60)
+            time.sleep(0.2)
         pool = subprocess.Popen(producer, stdout=pool_sink, stderr=subprocess.STDOUT)
         try:
             code = run.wait(timeout=1100)

@@ -40,13 +40,16 @@ Options = Sequence[tuple[str, Any]]
 
 
 def write_token(path: Path) -> None:
-    """A fresh random token in ``path`` (mode 0600, its directory 0700), replacing any older one."""
+    """A fresh random token in ``path`` (mode 0600, its directory 0700), replacing any older one at once
+    (a reader never sees a partly written file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.parent.chmod(0o700)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    staged.unlink(missing_ok=True)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(secrets.token_urlsafe(32) + "\n")
+    os.replace(staged, path)
 
 
 def store_namespace(token: str | None) -> str:
