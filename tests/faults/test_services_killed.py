@@ -5,8 +5,8 @@ in turn during a shortened tiny-cpu run.
 Each is restarted by the launcher (``[launcher] restarts``) and rejoins: the learner registers with the
 new broadcaster, the broadcaster finds the router's new engine (``engine actor replaced``), the learner
 publishes its weights to that engine, which came back at version 0, and the redis-server comes back
-from its append-only file. A router whose only engine died runs on, serving nothing: the launcher,
-seeing no live engine on two status lines in a row, restarts it, and the same rejoining follows.
+from its append-only file. A router whose only engine died starts a new one in its place
+(``[router] replace_dead_engines``), at version 0, and the same rejoining follows.
 The learner itself is never restarted. Afterwards the run's Redis is read back from that file: every
 trajectory queued is trained (in the final checkpoint), dropped with a counted reason, or still in the
 stream, none twice, and no dead letter.
@@ -96,12 +96,14 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_finishes(tmp_path
                 process.wait(timeout=120)
     text = out.read_text()
     assert code == 0, log_tail(out, 80)
-    assert "restarts: agent_pool 1, broadcaster 1, router 2, redis 1" in text
-    assert "router has no live engine left" in text
+    assert "restarts: agent_pool 1, broadcaster 1, router 1, redis 1" in text
+    assert "router has no live engine left" not in text  # the router replaced the engine itself
+    router_log = run_dir / "logs" / "router.log"
+    assert len(log_records(router_log, "engine replaced; it serves once a refit loads the current weights")) == 1
     assert json.loads((run_dir / "state.json").read_text())["restarts"] == {
         "agent_pool": 1,
         "broadcaster": 1,
-        "router": 2,
+        "router": 1,
         "redis": 1,
     }
     assert "learner was killed" not in text and "learner exited with 1" not in text
@@ -112,9 +114,9 @@ def test_every_service_killed_in_turn_is_restarted_and_the_run_finishes(tmp_path
     # Never backwards, and past every fault. A version may come twice: the learner publishing its
     # weights again for engines that came back at version 0 sends them under the version they are.
     assert published == sorted(published) and published[-1] == STEPS
-    # After each router restart the broadcaster finds a new actor under the old name; after the engine
-    # alone died, it may first have left the group as dead (a refit came before the router's restart),
-    # and the new actor is then registered as new rather than as a replacement.
+    # After the router's restart and after the engine's replacement, the broadcaster finds a new actor
+    # under the old name; it may first have left the group as dead (a refit came while the engine was
+    # gone), and the new actor is then registered as new rather than as a replacement.
     broadcaster = run_dir / "logs" / "broadcaster.log"
     replaced = len(log_records(broadcaster, "engine actor replaced; registering it again"))
     left = len(log_records(broadcaster, "engine dead or gone from the router; leaving the group"))

@@ -53,6 +53,9 @@ class Snapshot:
     dead_letters: int | None = None
     router_version: int | None = None
     engines_healthy: str | None = None
+    engines_replacing: list[str] = field(default_factory=list)  # dead, a new one starting in their place
+    engines_waiting: list[str] = field(default_factory=list)  # replaced, out of routing until a refit
+    engine_replacements: int = 0
     in_flight: int | None = None
     paused: bool | None = None
     episodes: int | None = None
@@ -103,6 +106,9 @@ def gather(
         snap.in_flight = int(reply.in_flight_request_count)
         snap.paused = bool(reply.paused)
         snap.engines_healthy = f"{sum(e.healthy for e in reply.engines)}/{len(reply.engines)}"
+        snap.engines_replacing = [e.engine_id for e in reply.engines if e.replacing]
+        snap.engines_waiting = [e.engine_id for e in reply.engines if e.healthy and not e.serving]
+        snap.engine_replacements = sum(e.replacement_count for e in reply.engines)
     pool = agent_pool_pb2.GetAgentPoolStatusRequest()
     reply = _ask(
         snap, access, addresses, "agent_pool", agent_pool_pb2_grpc.AgentPoolServiceStub, "GetAgentPoolStatus", pool
@@ -164,7 +170,11 @@ def status_line(snap: Snapshot, elapsed_s: float, previous: Snapshot | None = No
     alerts = [f"{name} not answering" for name in snap.unreachable if not (done and name == "learner")]
     healthy, _, engines = (snap.engines_healthy or "").partition("/")
     if healthy != engines:
-        alerts.append(f"engines live {snap.engines_healthy}")
+        replacing = f" (replacing {', '.join(snap.engines_replacing)})" if snap.engines_replacing else ""
+        alerts.append(f"engines live {snap.engines_healthy}{replacing}")
+    if snap.engine_replacements:
+        waiting = f"; {', '.join(snap.engines_waiting)} waits for a refit" if snap.engines_waiting else ""
+        parts.append(f"engines replaced {snap.engine_replacements}{waiting}")
     if snap.refit_failure and snap.paused is not False:
         # Its first line: a Ray error spans many (the actor's id, pid, namespace, ...), the log has them all.
         reason = snap.refit_failure.splitlines()[0][:200]

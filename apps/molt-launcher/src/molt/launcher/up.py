@@ -287,10 +287,11 @@ class Launch:
             time.sleep(every)
 
     def _restart_router_without_engines(self, snap: Snapshot) -> None:
-        """A router all of whose engines died serves nothing, yet runs: restarted, it starts new ones (at
-        version 0; the broadcaster and the learner bring them up to date, as after any router restart).
-        Two status lines in a row, so that a router still starting its engines is left alone."""
-        dead = bool(snap.engines_healthy) and snap.engines_healthy.startswith("0/")  # type: ignore[union-attr]
+        """A router all of whose engines died, and which is not replacing them (``[router]
+        replace_dead_engines`` off, or between failed tries), serves nothing, yet runs: restarted, it
+        starts new ones (at version 0; the broadcaster and the learner bring them up to date). Two status
+        lines in a row, so that a router still starting its engines is left alone."""
+        dead = (snap.engines_healthy or "").startswith("0/") and not snap.engines_replacing
         self.engineless_polls = self.engineless_polls + 1 if dead else 0
         if self.engineless_polls >= 2:
             self.engineless_polls = 0

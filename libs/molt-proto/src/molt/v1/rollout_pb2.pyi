@@ -515,6 +515,10 @@ class EngineStatus(_message.Message):
     OUTSTANDING_REQUEST_COUNT_FIELD_NUMBER: _builtins.int
     OUTSTANDING_TOKEN_COUNT_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    REPLACING_FIELD_NUMBER: _builtins.int
+    REPLACEMENT_COUNT_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Stable engine id (e.g. "engine-0")."""
     healthy: _builtins.bool
@@ -525,6 +529,16 @@ class EngineStatus(_message.Message):
     """Prompt + generated tokens of the outstanding requests (the load measure)."""
     tensor_parallel_size: _builtins.int
     """Tensor-parallel size (number of workers) of this engine."""
+    replacing: _builtins.bool
+    """True while the router starts a new engine in place of this dead one."""
+    replacement_count: _builtins.int
+    """How many times the router replaced this engine since it started."""
+    serving: _builtins.bool
+    """True while requests are routed to it: live and holding the current policy version's weights. A
+    replacement is live but not serving until a refit has loaded the current weights into it.
+    """
+    policy_version: _builtins.int
+    """The policy version of the weights this engine holds (a replacement's is 0 until its first refit)."""
     def __init__(
         self,
         *,
@@ -533,10 +547,14 @@ class EngineStatus(_message.Message):
         outstanding_request_count: _builtins.int = ...,
         outstanding_token_count: _builtins.int = ...,
         tensor_parallel_size: _builtins.int = ...,
+        replacing: _builtins.bool = ...,
+        replacement_count: _builtins.int = ...,
+        serving: _builtins.bool = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "healthy", b"healthy", "outstanding_request_count", b"outstanding_request_count", "outstanding_token_count", b"outstanding_token_count", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "healthy", b"healthy", "outstanding_request_count", b"outstanding_request_count", "outstanding_token_count", b"outstanding_token_count", "policy_version", b"policy_version", "replacement_count", b"replacement_count", "replacing", b"replacing", "serving", b"serving", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

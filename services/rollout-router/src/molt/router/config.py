@@ -135,6 +135,12 @@ class RouterSettings(ServiceSettings):
         ),
     )
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted, in bytes.")
+    replace_dead_engines: bool = Field(
+        True,
+        description="Start a new engine in place of one that died (at version 0; no request goes to it until "
+        "a refit loaded the current weights into it, while another engine serves); false: a dead engine stays "
+        "dead and its requests go to the others (docs/services.md#a-dead-engine).",
+    )
     engine: EngineSettings = Field(description="Engines to start.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Protected sampling settings.")
     pause: PauseSettings = Field(default_factory=PauseSettings, description="Pause/resume behaviour.")

@@ -77,6 +77,7 @@ class EngineActor:
         self.stall_watch: StallWatch | None = None
         self.counted: CountedVersions | None = None  # versions from token counts (a vLLM without labels)
         self.routing: EngineRouting | None = None  # routed-expert capture (molt.router.engine_routing)
+        self.refits_loaded = 0  # refits whose weights every worker loaded and validated (the router asks)
 
     async def start(self) -> EngineInfo:
         """Builds the vLLM engine (it loads the model, which takes a while); idempotent."""
@@ -361,7 +362,14 @@ class EngineActor:
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """Calls ``method`` of the worker extension in every engine worker (the weight-broadcaster's door)."""
-        return list(await self.llm.collective_rpc(method, args=args))
+        results = list(await self.llm.collective_rpc(method, args=args))
+        if method == "receive_weights" and all(r["loaded"] and not r["problems"] for r in results):
+            self.refits_loaded += 1
+        return results
+
+    async def loaded_refits(self) -> int:
+        """How many refits loaded and validated in this engine (a replacement starts at 0)."""
+        return self.refits_loaded
 
     async def shutdown(self) -> None:
         if self.flusher is not None:

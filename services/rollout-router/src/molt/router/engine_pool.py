@@ -11,6 +11,7 @@ failing. Ray carries only the control calls.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -26,6 +27,7 @@ from molt.router import metrics
 from molt.router.config import RouterSettings
 from molt.router.data_channel import Chunk, EngineLinks, Failure, Submission
 from molt.router.engine_launch import check_engine_args, check_engine_nodes, start_or_attach, stop_engines
+from molt.router.engine_replacement import Replacements
 from molt.router.engine_spec import EngineInfo
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
@@ -63,6 +65,8 @@ class EnginePool:
         # Requests waiting at admission: per request_id, one event per waiter (set: aborted).
         self.held: dict[str, set[asyncio.Event]] = {}
         self.links = EngineLinks()  # the router's ends of the engines' data channels
+        self.replacements = Replacements(self)  # of engines that die (molt.router.engine_replacement)
+        self.use_gpu = False
         self.policy_version = 0
         self.versions_differ = False  # attached engines hold different weights: only a refit may resume them
         self.paused = False
@@ -80,7 +84,7 @@ class EnginePool:
     async def start(self) -> ModelLimits:
         """Starts (or attaches to) every engine and waits until they serve."""
         engine = self.settings.engine
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        use_gpu = self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         check_engine_args(self.settings, use_gpu)
         if engine.nodes:
             check_engine_nodes(self.settings, use_gpu)
@@ -97,6 +101,8 @@ class EnginePool:
         for engine_id, address in zip(self.actors, addresses, strict=True):
             await self.links.connect(engine_id, address)
         metrics.ENGINES_UP.set(len(infos))
+        if self.settings.replace_dead_engines:
+            self.replacements.start()
         vocab_size, max_model_len = limits.pop()
         channels = {engine_id: f"{a.host}:{a.port}" for engine_id, a in zip(self.actors, addresses, strict=True)}
         log.info(
@@ -133,6 +139,7 @@ class EnginePool:
     async def shutdown(self) -> None:
         """Stops the engines and frees their placement groups, unless they are detached (then a later
         router attaches to them); an engine this router attached to goes too unless it is detached."""
+        self.replacements.stop()
         self.links.close()
         if self.settings.engine.detached:
             return
@@ -159,7 +166,7 @@ class EnginePool:
         await self._admit(request_id)
         self._refuse_duplicate(request_id)  # one with the same id may have been admitted while this one waited
         load = {engine_id: tokens for engine_id, (_, tokens) in self.load().items()}
-        live = [engine_id for engine_id in self.actors if self.links.is_live(engine_id)]
+        live = self.replacements.serving([engine_id for engine_id in self.actors if self.links.is_live(engine_id)])
         engine_id = pick_engine(live or list(self.actors), session_id, load)  # none live: it fails at once
         key = f"{request_id}#{self.key_prefix}-{next(self.keys)}"
         queue = self.links.open_queue(key, engine_id)
@@ -331,7 +338,8 @@ class EnginePool:
             if policy_version is not None:
                 self.policy_version = policy_version
             started = time.monotonic()
-            engines = asyncio.gather(*(actor.resume.remote(self.policy_version) for actor in self._live_actors()))
+            live = [(e, a) for e, a in self.actors.items() if self.links.is_live(e)]
+            engines = asyncio.gather(*(self._resume_engine(e, a) for e, a in live))
             try:
                 await asyncio.wait_for(engines, ENGINE_CALL_TIMEOUT_S)
             except TimeoutError as exc:
@@ -348,6 +356,11 @@ class EnginePool:
             extra={"policy_version": self.policy_version, "engines_s": round(time.monotonic() - started, 4)},
         )
         return self.policy_version
+
+    async def _resume_engine(self, engine_id: str, actor: Any) -> None:
+        version = await self.replacements.resume_version(engine_id, actor, self.policy_version)
+        self.infos[engine_id] = dataclasses.replace(self.infos[engine_id], policy_version=version)
+        await actor.resume.remote(version)
 
     def _check_resume(self, policy_version: int | None) -> None:
         if policy_version is None and self.versions_differ:

@@ -11,6 +11,7 @@ GENERATED_TOKENS = Counter("molt_router_generated_tokens_total", "Tokens sampled
 REQUEST_SECONDS = Histogram("molt_router_request_seconds", "Wall time of a request, admission to last token.")
 FIRST_TOKEN_SECONDS = Histogram("molt_router_first_token_seconds", "Time from admission to the first token.")
 ENGINES_UP = Gauge("molt_router_engines_up", "Engines started and answering.")
+ENGINE_REPLACEMENTS = Counter("molt_router_engine_replacements_total", "Dead engines replaced by new ones.")
 PROTECTED_IGNORED = Counter(
     "molt_router_protected_overrides_ignored_total",
     "Protected sampling values a request set and the router ignored.",

@@ -157,15 +157,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def GetRouterStatus(
         self, request: rollout_pb2.GetRouterStatusRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GetRouterStatusResponse:
+        pool, replacements = self.pool, self.pool.replacements
+        live = [engine_id for engine_id in pool.actors if pool.links.is_live(engine_id)]
+        serving = set(replacements.serving(live))
         engines = [
             rollout_pb2.EngineStatus(
                 engine_id=engine_id,
-                healthy=self.pool.links.is_live(engine_id),  # its data channel is open (closed: it died)
+                healthy=engine_id in live,  # its data channel is open (closed: it died)
                 outstanding_request_count=count,
                 outstanding_token_count=tokens,
                 tensor_parallel_size=self.settings.engine.tensor_parallel_size,
+                replacing=engine_id in replacements.replacing,
+                replacement_count=replacements.counts.get(engine_id, 0),
+                serving=engine_id in serving,
+                policy_version=pool.infos[engine_id].policy_version if engine_id in pool.infos else 0,
             )
-            for engine_id, (count, tokens) in sorted(self.pool.load().items())
+            for engine_id, (count, tokens) in sorted(pool.load().items())
         ]
         return rollout_pb2.GetRouterStatusResponse(
             engines=engines,
