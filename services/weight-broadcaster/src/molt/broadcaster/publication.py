@@ -91,12 +91,14 @@ class Publisher:
         restores from Redis at start is only reported). A version not newer is refused, except in a
         learner's first refit after it starts (``continue_versions``): a learner restarted from the
         checkpoint of the newest version publishes it again, and one restarted from a checkpoint behind
-        the engines publishes its weights as the version after the newest and numbers on from there."""
+        the engines publishes its weights as the version after the newest and numbers on from there. The
+        router's version itself, never published by this process, is taken again too: a broadcaster that
+        died between resuming the engines at it and publishing it left the learner to send it again."""
         newest = max(self.published_here, router_version)
         if asked > newest or newest == 0:
             return asked
-        if continue_versions and asked == newest:
-            return asked  # a learner restarted from the checkpoint of the weights the engines serve
+        if asked == newest and (continue_versions or self.published_here < newest):
+            return asked  # the weights the engines serve, from a learner restarted at them or a cut-short refit
         if continue_versions:
             log.info(
                 "a learner's first refit continues after the newest version",
