@@ -104,6 +104,9 @@ def test_wiring_points_clients_at_servers_and_models_at_the_sft_output(tmp_path:
     assert tables["router"]["engine"]["model_path"] == tables["learner"]["model_path"] == sft
     assert tables["agent_pool"]["tokenizer_path"] == sft
     assert recipe.tables["learner"]["model_path"] == "models/tiny"  # the recipe itself is untouched
+    proxied = wire(load_recipe(TINY, ['agent_pool.router_address="127.0.0.1:7777"']), tmp_path, None, None, [0])
+    assert proxied["agent_pool"]["router_address"] == "127.0.0.1:7777"  # the recipe's own wins
+    assert proxied["broadcaster"]["router_address"] != "127.0.0.1:7777"
 
 
 def test_ray_head_registers_the_learner_gpus_only_when_ray_places_its_ranks(tmp_path: Path) -> None:

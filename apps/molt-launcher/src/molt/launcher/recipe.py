@@ -252,15 +252,16 @@ def wire(
             tables["learner"]["ray_address"] = ray_address
     if recipe.launcher.nodes > 1:  # one node: Ray's own choice is the plan
         tables["router"].setdefault("engine", {})["nodes"] = engine_nodes
+    # A client address the recipe sets itself wins: something of the user's may sit in between (a proxy).
     router = connect_address(recipe.router.listen)
-    tables["broadcaster"]["router_address"] = router
+    tables["broadcaster"].setdefault("router_address", router)
     broadcaster = connect_address(recipe.broadcaster.listen)
-    tables["learner"]["broadcaster_address"] = broadcaster
+    tables["learner"].setdefault("broadcaster_address", broadcaster)
     if recipe.launcher.colocate:
         tables["broadcaster"]["backend"] = "cuda_ipc"
     if recipe.agent_pool is not None:
-        tables["agent_pool"]["router_address"] = router
-        tables["agent_pool"]["broadcaster_address"] = broadcaster
+        tables["agent_pool"].setdefault("router_address", router)
+        tables["agent_pool"].setdefault("broadcaster_address", broadcaster)
     sft_output = recipe.sft_output(run_dir)
     if sft_output is not None:
         tables["router"].setdefault("engine", {})["model_path"] = str(sft_output)
