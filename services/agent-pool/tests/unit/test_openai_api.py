@@ -51,6 +51,8 @@ def test_openai_messages_normalise() -> None:
         ("hi", "non-empty list"),
         (["hi"], r"messages\[0\] must be an object"),
         ([{"role": "robot", "content": "x"}], "role 'robot'"),
+        ([{"role": [], "content": "x"}], r"role \[\] is not one of"),  # unhashable: was a TypeError, HTTP 500
+        ([{"role": {"a": 1}, "content": "x"}], "is not one of"),
         ([{"role": "user"}], "has no content"),
         ([{"role": "user", "content": 3}], "string or a list of text parts"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text content parts"),

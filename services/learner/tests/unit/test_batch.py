@@ -49,6 +49,16 @@ def test_a_token_outside_the_vocabulary_drops_the_whole_group() -> None:
     assert len(outcome.samples) == 2
 
 
+def test_a_version_below_zero_drops_the_whole_group() -> None:
+    """Versions count from 0. A negative one (a producer's bug) passed the staleness check as merely old
+    and was trained on; now the group is dropped whole, as a producer's bug, before staleness."""
+    group = make_group_of("g", [trajectory("a", [1], [2, 3]), trajectory("b", [1], [2, 3], versions=[0, -2])])
+    assert build(group, staleness=5).dropped == {"invalid_version": 2}
+    assert build(group, version=9, staleness=1).dropped == {"invalid_version": 2}
+    group.trajectories[1].policy_versions[1] = 0
+    assert len(build(group, staleness=5).samples) == 2
+
+
 def test_staleness_counts_the_oldest_loss_token_only() -> None:
     """Learner at version 6, max_staleness 2: a loss token of version 3 is 3 behind (stale); a tool token
     of version 1 does not count, so a sample whose loss tokens are 4 and 5 is kept."""

@@ -2,8 +2,9 @@
 
 Owns the one mapping from molt's domain errors to gRPC status codes (with a
 ``google.rpc.ErrorInfo`` detail: ``reason``, ``domain`` = service, metadata),
-the aio server with health checking and reflection, the Prometheus endpoint,
-and graceful shutdown (NOT_SERVING on SIGTERM, then ``server.stop(grace)``).
+the refusal of requests that do not decode (``RefuseUndecodable``), the aio
+server with health checking and reflection, the Prometheus endpoint, and
+graceful shutdown (NOT_SERVING on SIGTERM, then ``server.stop(grace)``).
 The untyped grpc-health / grpc-status / reflection imports stay in this file.
 """
 
@@ -134,6 +135,74 @@ def error_info(error: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2
     return None
 
 
+class _Undecodable:
+    """What a request's bytes became when they did not parse as its method's message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class RefuseUndecodable(grpc.aio.ServerInterceptor):
+    """Ends a call whose request does not parse as its method's message (garbage, a message cut short,
+    a string field that is not UTF-8) with INVALID_ARGUMENT, reason ``UNDECODABLE_REQUEST``. gRPC's own
+    answer is UNKNOWN ("Unexpected DecodeError"), which does not say that the caller is at fault.
+    Methods that take a stream of requests are left as they are (molt has none)."""
+
+    def __init__(self, domain: str) -> None:
+        self.domain = domain
+        self.handlers: dict[str, tuple[Any, Any]] = {}  # by method: (gRPC's handler, its lenient copy)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        known = self.handlers.get(details.method)
+        if known is None or known[0] is not handler:
+            known = (handler, self._lenient(handler, details.method))
+            self.handlers[details.method] = known
+        return known[1]
+
+    def _lenient(self, handler: Any, method: str) -> Any:
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError, or whatever a custom deserializer raises
+                return _Undecodable(exc)
+
+        async def refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+            error = InvalidInput(f"the request does not decode: {request.error}", reason="UNDECODABLE_REQUEST")
+            await _abort(context, error, self.domain, method)
+
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def unary_call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                return await unary(request, context)
+
+            return handler._replace(request_deserializer=deserialize, unary_unary=unary_call)
+        stream = handler.unary_stream
+        if inspect.isasyncgenfunction(stream):
+
+            async def stream_call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                async for item in stream(request, context):
+                    yield item
+
+            return handler._replace(request_deserializer=deserialize, unary_stream=stream_call)
+
+        async def writing_call(request: Any, context: grpc.aio.ServicerContext) -> Any:  # writes with context.write
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            return await stream(request, context)
+
+        return handler._replace(request_deserializer=deserialize, unary_stream=writing_call)
+
+
 @dataclass
 class Registration:
     """One servicer to serve: its ``add_XServicer_to_server`` function and full service name."""
@@ -168,7 +237,9 @@ class ServiceHost:
             ("grpc.max_send_message_length", self.max_message_bytes),
             *KEEPALIVE_SERVER,
         ]
-        self.server = grpc.aio.server(options=options, interceptors=self.access.interceptors())
+        # The token first: a caller without it gets UNAUTHENTICATED before its bytes are even parsed.
+        interceptors = [*self.access.interceptors(), RefuseUndecodable(self.name)]
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [r.service_name for r in self.registrations]

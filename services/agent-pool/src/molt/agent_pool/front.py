@@ -146,7 +146,7 @@ class ChatFront:
             raise NotFound(f"unknown session {session_id!r} (is the episode over?)")
         auth = request.headers.get("authorization", "")
         key = auth.removeprefix("Bearer ").strip() or request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(key, session.key):
+        if not secrets.compare_digest(key.encode(), session.key.encode()):  # as str, non-ASCII raises TypeError
             raise Unauthorized("missing or wrong API key for this session")
         try:
             body = json.loads(await self._body(request))

@@ -42,7 +42,7 @@ def openai_messages(raw: Any) -> list[Message]:
         if not isinstance(item, dict):
             raise InvalidInput(f"{where} must be an object")
         role = item.get("role")
-        if role not in OPENAI_ROLES:
+        if not isinstance(role, str) or role not in OPENAI_ROLES:  # a list or an object is not hashable
             raise InvalidInput(f"{where}.role {role!r} is not one of {sorted(OPENAI_ROLES)}")
         if "content" not in item and not item.get("tool_calls"):
             raise InvalidInput(f"{where} has no content")

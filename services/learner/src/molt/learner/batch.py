@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 DropReason = Literal[
     "invalid_token",
     "invalid_logprob",
+    "invalid_version",
     "stale",
     "future_version",
     "too_long",
@@ -107,6 +108,15 @@ def _invalid_token(group: common_pb2.TrajectoryGroup, vocab_size: int) -> str | 
     return f"token id {int(ids[bad[0, 0]])} is outside the vocabulary [0, {vocab_size})"
 
 
+def _invalid_version(group: common_pb2.TrajectoryGroup) -> str | None:
+    """A description of the group's policy version below 0, or None: versions count from 0, and one
+    below would pass the staleness check as merely old."""
+    versions = torch.tensor([v for t in group.trajectories for v in t.policy_versions], dtype=torch.int64)
+    if not versions.numel() or int(versions.min()) >= 0:
+        return None
+    return f"policy version {int(versions.min())} is below 0"
+
+
 def _routing(t: common_pb2.Trajectory, shape: tuple[int, int]) -> Tensor | str:
     """The trajectory's routing, ``[L, layers, top_k]`` int16, or what makes it unusable for a policy of
     ``shape`` = (decoder layers, experts per token)."""
@@ -126,6 +136,7 @@ def _routing(t: common_pb2.Trajectory, shape: tuple[int, int]) -> Tensor | str:
 DROP_REASONS = (
     "invalid_token",
     "invalid_logprob",
+    "invalid_version",
     "group_of_one",
     "duplicate",
     "too_long",
@@ -155,6 +166,9 @@ def _whole_group_problem(
             "dropping a group with a logprob that is not finite",
             {"trajectoryId": bad.trajectory_id},
         )
+    problem = _invalid_version(group)
+    if problem is not None:
+        return "invalid_version", "dropping a group with a policy version below 0", {"problem": problem}
     if needs_groups and group.sample_count < 2:
         message = "dropping a group produced with sample_count < 2: the estimator compares samples of one prompt"
         return "group_of_one", message, {"sampleCount": group.sample_count, "trajectories": len(group.trajectories)}
@@ -177,8 +191,8 @@ def build_group(
 
     A producer's bug drops the whole group before anything else is looked at, so it is reported as
     what it is (docs/queue.md, "Drop reasons"): ``invalid_token``, then ``invalid_logprob``, then
-    ``group_of_one``; then each sample on its own: ``duplicate``, ``too_long``, ``no_loss_tokens``,
-    ``no_routing``, ``future_version``, ``stale``.
+    ``invalid_version``, then ``group_of_one``; then each sample on its own: ``duplicate``,
+    ``too_long``, ``no_loss_tokens``, ``no_routing``, ``future_version``, ``stale``.
 
     ``consumed``: trajectory ids already trained on (a re-delivered entry after a crash).
     ``needs_groups``: the estimator normalises within a group, so a group produced with

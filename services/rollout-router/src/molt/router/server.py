@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import duration_pb2
 
 from molt.core.errors import InvalidInput
 from molt.core.serve import grpc_errors
@@ -22,6 +23,18 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORTED,
 }
 PAUSE_MODES = {rollout_pb2.PAUSE_MODE_DRAIN: "drain", rollout_pb2.PAUSE_MODE_KEEP: "keep"}
+MAX_DURATION_S = 315_576_000_000  # google.protobuf.Duration's range: about 10,000 years
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    """A Duration in seconds; InvalidInput for one outside the type's range (which ``ToTimedelta`` turns
+    into an OverflowError) or whose nanos disagree with its seconds."""
+    seconds, nanos = duration.seconds, duration.nanos
+    if abs(seconds) > MAX_DURATION_S or abs(nanos) > 999_999_999 or seconds * nanos < 0:
+        raise InvalidInput(
+            f"drain_timeout ({seconds} s, {nanos} ns) is not a valid Duration", reason="INVALID_DRAIN_TIMEOUT"
+        )
+    return seconds + nanos / 1e9
 
 
 def requested_sampling(params: common_pb2.SamplingParams) -> RequestedSampling:
@@ -134,11 +147,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if request.mode != rollout_pb2.PAUSE_MODE_UNSPECIFIED and request.mode not in PAUSE_MODES:
             raise InvalidInput(f"unknown pause mode {request.mode}", reason="UNKNOWN_PAUSE_MODE")
         mode = PAUSE_MODES.get(request.mode, self.settings.rollout.pause_mode)
-        timeout = (
-            request.drain_timeout.ToTimedelta().total_seconds()
-            if request.HasField("drain_timeout")
-            else self.settings.pause.drain_timeout_s
-        )
+        timeout = self.settings.pause.drain_timeout_s
+        if request.HasField("drain_timeout"):
+            timeout = _seconds(request.drain_timeout)
         if timeout < 0:
             raise InvalidInput(f"drain_timeout {timeout} s is negative", reason="NEGATIVE_DRAIN_TIMEOUT")
         suspended = await self.pool.pause(mode, timeout)  # type: ignore[arg-type]
