@@ -31,7 +31,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -73,6 +72,7 @@ class Run:
 
     def __init__(self, root: Path, model: Path) -> None:
         from molt.core.ports import free_port
+        from molt.core.testing import molt_up_command
 
         self.dir = root / "run"
         self.out = root / "molt-up.log"
@@ -95,13 +95,8 @@ class Run:
             "agent_pool.eval.enabled": "false",
             "router.listen": f'"127.0.0.1:{router_port}"',
             "agent_pool.router_address": f'"127.0.0.1:{proxy_port}"',
-            "agent_pool.http_listen": f'"127.0.0.1:{free_port()}"',
         }
-        for key in ("broadcaster", "learner", "agent_pool"):
-            sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
-        args = [str(Path(sys.executable).parent / "molt"), "up", str(REPO / "recipes" / "tiny-cpu.toml")]
-        for key, value in sets.items():
-            args += ["--set", f"{key}={value}"]
+        args = molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
         self.sink = self.out.open("wb")
         self.process = subprocess.Popen(args, cwd=REPO, stdout=self.sink, stderr=subprocess.STDOUT)
 
@@ -110,11 +105,9 @@ class Run:
             raise RuntimeError(f"molt up exited with {self.process.returncode}:\n{tail(self.out)}")
 
     def step(self) -> int:
-        path = self.dir / "metrics.jsonl"
-        if not path.exists():
-            return 0
-        lines = path.read_text().splitlines()
-        return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+        from molt.core.testing import newest_step
+
+        return newest_step(self.dir)
 
     def published(self) -> int:
         from molt.core.service_logs import log_records

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from molt.core.auth import Access
-from molt.core.ports import free_port
 from molt.core.service_logs import log_tail
+from molt.core.testing import molt_up_command
 from molt.v1 import (
     agent_pool_pb2,
     agent_pool_pb2_grpc,
@@ -78,14 +77,8 @@ def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
         "learner.max_steps": str(STEPS),
         "learner.checkpoint_every": "3",
         "agent_pool.eval.enabled": "false",
-        "agent_pool.http_listen": f'"127.0.0.1:{free_port()}"',
     }
-    for key in ("router", "broadcaster", "learner", "agent_pool"):
-        sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
-    args = [str(Path(sys.executable).parent / "molt"), "up", str(REPO / "recipes" / "tiny-cpu.toml")]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+    return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
 
 
 def code_of(access: Access, address: str, stub: Any, method: str, request: Any) -> str:

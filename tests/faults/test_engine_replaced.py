@@ -23,22 +23,14 @@ from pathlib import Path
 import pytest
 
 from molt.core.auth import Access
-from molt.core.ports import free_port
 from molt.core.service_logs import log_records, log_tail
-from molt.core.testing import ray_driver
+from molt.core.testing import molt_up_command, newest_step, ray_driver
 from molt.v1 import rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 400  # more than the test waits for: it stops the run
 KILL_AT = 4
-
-
-def newest_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")), default=0)
 
 
 def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
@@ -57,14 +49,8 @@ def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
         "learner.checkpoint_every": "8",
         "learner.refit_probe_tokens": "8",  # each refit also checks the engines' logprobs against the learner's
         "agent_pool.eval.enabled": "false",
-        "agent_pool.http_listen": f'"127.0.0.1:{free_port()}"',
     }
-    for key in ("router", "broadcaster", "learner", "agent_pool"):
-        sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
-    args = [str(Path(sys.executable).parent / "molt"), "up", str(REPO / "recipes" / "tiny-cpu.toml")]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+    return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
 
 
 def engine_pid(run_dir: Path, engine_id: str) -> int:

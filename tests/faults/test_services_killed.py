@@ -19,15 +19,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from molt.core.ports import free_port
 from molt.core.processes import RedisServer
 from molt.core.service_logs import log_records, log_tail
+from molt.core.testing import molt_up_command, newest_step
 from molt.v1 import common_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -35,13 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 40
 # In turn, at these steps; "engine" is the router's engine actor process (the router stays up).
 KILLS = (("agent_pool", 5), ("broadcaster", 12), ("router", 20), ("redis", 28), ("engine", 34))
-
-
-def newest_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")), default=0)
 
 
 def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
@@ -59,14 +51,8 @@ def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
         "learner.checkpoint_every": "10",
         "agent_pool.eval.enabled": "false",
         "launcher.build_tiny_model": "false",
-        "agent_pool.http_listen": f'"127.0.0.1:{free_port()}"',
     }
-    for key in ("router", "broadcaster", "learner", "agent_pool"):
-        sets[f"{key}.listen"] = f'"127.0.0.1:{free_port()}"'
-    args = [str(Path(sys.executable).parent / "molt"), "up", str(REPO / "recipes" / "tiny-cpu.toml")]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+    return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
 
 
 def test_every_service_killed_in_turn_is_restarted_and_the_run_finishes(tmp_path: Path, tiny_model: Path) -> None:

@@ -10,6 +10,7 @@ address; clients need ``RAY_ENV``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -33,7 +34,9 @@ __all__ = [
     "RedisServer",
     "ServiceProcess",
     "free_port",
+    "molt_up_command",
     "nest_rollout",
+    "newest_step",
     "ray_driver",
     "ray_head",
     "redis_client",
@@ -148,3 +151,26 @@ def trajectory_group(
             turn_count=1,
         )
     return group
+
+
+def molt_up_command(recipe: Path, sets: Mapping[str, str]) -> list[str]:
+    """``molt up RECIPE`` with ``sets`` (``--set key=value``), every service's listen address and the HTTP
+    front on a free loopback port unless ``sets`` names it (a run beside another one, or a test's)."""
+    ports = {
+        f"{name}.listen": f'"127.0.0.1:{free_port()}"' for name in ("router", "broadcaster", "learner", "agent_pool")
+    }
+    ports["agent_pool.http_listen"] = f'"127.0.0.1:{free_port()}"'
+    args = [str(Path(sys.executable).parent / "molt"), "up", str(recipe)]
+    for key, value in {**ports, **sets}.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def newest_step(run_dir: Path) -> int:
+    """The newest learner step a run's ``metrics.jsonl`` records (0 before the first; a line being
+    written is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
