@@ -610,13 +610,17 @@ def test_a_restarted_broadcaster_takes_the_routers_version_as_the_newest(stack: 
     publisher = WeightPublisher(stack["settings"], vocab_size=320)
     try:
         with pytest.raises(grpc.RpcError) as refused:
-            publisher.publish(current, state_b, probe_b)
+            publisher.publish(current - 1, state_b, probe_b)  # behind the engines' version
         detail = error_info(refused.value)
         assert detail is not None and detail.reason == "VERSION_NOT_NEWER"
-        response = publisher.publish(2, state_b, probe_b, continue_versions=True)
+        # The router's own version, which this broadcaster never published: the learner's re-send after its
+        # broadcaster died between resuming the engines at it and publishing it.
+        assert publisher.publish(current, state_b, probe_b).policy_version.version == current
+        # A learner restarted from a checkpoint behind the engines (step 1 < current): numbered on after them.
+        response = publisher.publish(1, state_b, probe_b, continue_versions=True)
     finally:
         publisher.close()
-    assert (response.policy_version.version, response.policy_version.learner_step) == (current + 1, 2)
+    assert (response.policy_version.version, response.policy_version.learner_step) == (current + 1, 1)
     assert response.report.probe_max_abs_logprob_diff < 1e-3
     assert set(asyncio.run(sample(stack["router"], seed=41)).policy_versions) == {current + 1}
 

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,7 +69,11 @@ class ConsumerClaim:
         self._renew = client.register_script(GUARD + "return 1")
         self._release = client.register_script(RELEASE_SCRIPT)
         self._released = threading.Event()
-        self._renewer = threading.Thread(target=self._renew_until_released, name=f"claim-{name}", daemon=True)
+        # The thread holds the claim weakly: a reader dropped without ``release`` stops being renewed once it
+        # is collected, rather than renewing (and retrying against a Redis that went away) until exit.
+        self._renewer = threading.Thread(
+            target=_renew_until_released, args=(weakref.ref(self), self._released), name=f"claim-{name}", daemon=True
+        )
 
     def run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """``script`` (one beginning with ``GUARD``) with its own ``keys`` and ``args`` after the claim's; raises
@@ -116,19 +121,6 @@ class ConsumerClaim:
             log.warning("took over consumer name %r: its previous holder's claim lapsed", self.name)
         self._renewer.start()
 
-    def _renew_until_released(self) -> None:
-        """Renews every third of the TTL. A learner may spend minutes in one step, checkpoint or refit
-        without a queue call, so the calls alone would let a live reader's claim lapse. A frozen
-        (SIGSTOPped) or killed process stops this thread too, which is what lets its claim lapse."""
-        while not self._released.wait(self.ttl_s / 3):
-            try:
-                self.confirm()
-            except ConsumerNameTaken as exc:
-                log.warning("%s; the next queue call of this reader fails", exc.message)
-                return
-            except redis.RedisError as exc:  # an outage, waited out by the queue's callers: try again
-                log.debug("could not renew the claim on consumer name %r: %s", self.name, exc)
-
     def release(self) -> None:
         """Stops renewing and gives the name up if this reader holds it; one that Redis cannot be told
         of is left to lapse."""
@@ -139,3 +131,26 @@ class ConsumerClaim:
             self._release(keys=self.keys, args=[self.token])
         except redis.RedisError as exc:
             log.warning("could not release consumer name %r (its claim lapses): %s", self.name, exc)
+
+
+def _renew_until_released(ref: weakref.ref[ConsumerClaim], released: threading.Event) -> None:
+    """Renews every third of the TTL. A learner may spend minutes in one step, checkpoint or refit
+    without a queue call, so the calls alone would let a live reader's claim lapse. A frozen
+    (SIGSTOPped) or killed process stops this thread too, which is what lets its claim lapse. The claim
+    is held only while it is renewed, not across the waits: a dropped reader is collected meanwhile."""
+    claim = ref()
+    every = claim.ttl_s / 3 if claim is not None else 0.0
+    del claim
+    while not released.wait(every):
+        claim = ref()
+        if claim is None:
+            return
+        try:
+            claim.confirm()
+        except ConsumerNameTaken as exc:
+            log.warning("%s; the next queue call of this reader fails", exc.message)
+            return
+        except redis.RedisError as exc:  # an outage, waited out by the queue's callers: try again
+            log.debug("could not renew the claim on consumer name %r: %s", claim.name, exc)
+        finally:
+            del claim
