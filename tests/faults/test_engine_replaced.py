@@ -47,7 +47,8 @@ def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
         "launcher.progress_every_s": "2",
         "learner.max_steps": str(STEPS),
         "learner.checkpoint_every": "8",
-        "learner.refit_probe_tokens": "8",  # each refit also checks the engines' logprobs against the learner's
+        "learner.refit_probe_tokens": "8",
+        "learner.refit_probe_every": "1",  # each refit also checks the engines' logprobs against the learner's
         "agent_pool.eval.enabled": "false",
     }
     return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
