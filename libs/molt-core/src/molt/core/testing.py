@@ -154,11 +154,11 @@ def trajectory_group(
 
 
 def molt_up_command(recipe: Path, sets: Mapping[str, str]) -> list[str]:
-    """``molt up RECIPE`` with ``sets`` (``--set key=value``), every service's listen address and the HTTP
-    front on a free loopback port unless ``sets`` names it (a run beside another one, or a test's)."""
-    ports = {
-        f"{name}.listen": f'"127.0.0.1:{free_port()}"' for name in ("router", "broadcaster", "learner", "agent_pool")
-    }
+    """``molt up RECIPE`` with ``sets`` (``--set key=value``), every service's listen address, metrics port
+    and the HTTP front on a free loopback port unless ``sets`` names it (a run beside another one)."""
+    services = ("router", "broadcaster", "learner", "agent_pool")
+    ports = {f"{name}.listen": f'"127.0.0.1:{free_port()}"' for name in services}
+    ports |= {f"{name}.metrics_port": str(free_port()) for name in services}
     ports["agent_pool.http_listen"] = f'"127.0.0.1:{free_port()}"'
     args = [str(Path(sys.executable).parent / "molt"), "up", str(recipe)]
     for key, value in {**ports, **sets}.items():
