@@ -168,3 +168,15 @@ class Membership:
         import ray
 
         return "nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
+
+
+def retryable(exc: Exception, request_id: str, router_address: str) -> Unavailable | None:
+    """A refit's failure the learner should wait out and send again, as UNAVAILABLE; None for others."""
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"router at {router_address}: {exc.details()}")  # away (restarting)
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError):
+        # An engine died during the refit: the next one leaves it out of the group (or takes its replacement in).
+        return Unavailable(f"an engine died during refit {request_id}: {exc}")
+    return None

@@ -16,12 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from molt.broadcaster import metrics
 from molt.broadcaster.config import BroadcasterSettings
-from molt.broadcaster.membership import Membership
+from molt.broadcaster.membership import Membership, retryable
 from molt.broadcaster.publication import Publisher
 from molt.core.auth import Access
 from molt.core.errors import InvalidInput, MoltError, TimedOut, Unavailable, WrongState
@@ -142,9 +141,8 @@ class Broadcaster:
             except Exception as exc:  # Ray, a worker, the router's RPCs
                 metrics.REFITS.labels(outcome="error").inc()
                 self._unfinished(request.request_id, f"refit {request.request_id} failed: {type(exc).__name__}: {exc}")
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    # The router is away (restarting): the learner waits and sends again, as for this process.
-                    raise Unavailable(f"router at {self.settings.router_address}: {exc.details()}") from exc
+                if (again := retryable(exc, request.request_id, self.settings.router_address)) is not None:
+                    raise again from exc
                 raise
             self.responses[request.request_id] = response
             return response
