@@ -196,3 +196,32 @@ def test_the_embedded_redis_lets_only_the_run_user_touch_the_runs_keys(tmp_path:
             client.flushall()
     finally:
         server.stop()
+
+
+def test_the_embedded_redis_keeps_script_writes_across_a_crash(tmp_path: Path) -> None:
+    """The queue settles entries in Lua scripts, which the append-only file records as MULTI/EXEC; a
+    redis-server replays that file as its default user, so a default user that may not run them lost
+    every ack, skip and dead letter on a restart (and the producer's pacing with them)."""
+    server = RedisServer(tmp_path / "redis", appendonly=True, password="s3cret-token", key_prefix="molt:run-a:")
+    server.start()
+    try:
+        client = Access(redis_password="s3cret-token").redis(server.url)
+        queue = TrajectoryQueue(client, "run-a", consumer="learner-0")
+        groups = [trajectory_group(run_id="run-a") for _ in range(3)]
+        for group in groups:
+            queue.put(group)
+        entries = queue.read(count=3)
+        queue.skip([entries[0].entry_id])
+        queue.ack([entries[1].entry_id])
+        before = (queue.skipped(), queue.stats())
+        port = server.port
+        server.kill()
+        server.start(port)
+        client = Access(redis_password="s3cret-token").redis(server.url)
+        after = TrajectoryQueue(client, "run-a")  # a reader: the first one still holds the consumer name
+        assert (after.skipped(), after.stats()) == before
+        assert before[0] == 1 and before[1].depth == 1
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port).ping()  # the default user is on, but nobody has its password
+    finally:
+        server.stop()

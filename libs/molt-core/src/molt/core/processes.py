@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -265,10 +266,10 @@ def health_status(address: str, service: str = "", timeout_s: float = 2.0, acces
 class RedisServer:
     """A ``redis-server`` child process on 127.0.0.1 with its data in ``data_dir``.
 
-    With ``password`` it has no default user: one ACL user, ``molt``, who must AUTH with the password
-    and may touch only keys and channels under ``key_prefix`` and no administrative command (the
-    ``@dangerous`` category: CONFIG, FLUSHALL, DEBUG, ...). The ACL file holds the password's SHA-256,
-    not the password.
+    With ``password`` one ACL user, ``molt``, must AUTH with the password and may touch only keys and
+    channels under ``key_prefix`` and no administrative command (the ``@dangerous`` category: CONFIG,
+    FLUSHALL, DEBUG, ...). The ACL file holds the password's SHA-256, not the password. The default
+    user has the same rules and a password nobody holds.
     """
 
     USER = "molt"
@@ -291,9 +292,15 @@ class RedisServer:
             digest = hashlib.sha256(password.encode()).hexdigest()
             self.acl_file.unlink(missing_ok=True)
             fd = os.open(self.acl_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            rules = f"~{key_prefix}* &{key_prefix}* +@all -@dangerous"
+            # The default user stays on, with the same rules and a password nobody knows (drawn here and
+            # never kept): redis-server replays its append-only file as the default user and checks each
+            # MULTI/EXEC there against that user's rules. With the default user off, every Lua script's
+            # writes (the queue's acks, skips and dead letters) were silently refused on a restart.
+            unknown = hashlib.sha256(secrets.token_bytes(32)).hexdigest()
             with os.fdopen(fd, "w") as out:
-                out.write("user default off\n")
-                out.write(f"user {self.USER} on #{digest} ~{key_prefix}* &{key_prefix}* +@all -@dangerous\n")
+                out.write(f"user default on #{unknown} {rules}\n")
+                out.write(f"user {self.USER} on #{digest} {rules}\n")
 
     @property
     def url(self) -> str:

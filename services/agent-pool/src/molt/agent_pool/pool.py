@@ -68,6 +68,7 @@ class PoolStats:
 PUT_WAIT_S = 1.0  # one try of a put into a full queue (the pool says it is waiting, and can stop, between tries)
 RETRY_MAX_S = 10.0  # longest wait between tries when Redis does not answer
 FAILING_BACKOFF_MAX_S = 30.0  # longest pause before a group when every episode of the last ones failed
+WAITING_LOG_EVERY_S = 30.0  # a pool held back says why this often, with the staleness gate's parts
 REDIS_WARN_EVERY_S = 30.0  # a pacing read Redis does not answer is logged at most this often
 
 
@@ -173,13 +174,31 @@ class RolloutPool:
             - self.settings.rollout.max_staleness
         )
 
+    def _pacing(self) -> dict[str, int | None]:
+        """The parts of the staleness gate, for the log: what a stuck pool was waiting on."""
+        s = self.stats
+        return {
+            "policy_version": self.policy_version(),
+            "needed_version": self._needed_version(),
+            "index": self.trainable_index,
+            "start_version": s.start_version,
+            "backlog_groups": s.backlog_groups,
+            "started_groups": s.started_groups - self.counted_from[0],
+            "unqueued_groups": s.unqueued_groups - self.counted_from[1],
+            "learner_skipped_groups": s.learner_skipped_groups,
+            "skipped_before": self.skipped_before,
+            "queued_groups": s.queued_groups,
+            "in_flight_groups": s.in_flight_groups,
+        }
+
     async def _wait_for_learner(self) -> None:
-        while self.policy_version() < (needed := self._needed_version()):
+        said = time.monotonic()
+        while self.policy_version() < self._needed_version():
             if not self.stats.backpressured:
-                log.info(
-                    "waiting for the learner",
-                    extra={"needed_version": needed, "group": self.stats.started_groups, "index": self.trainable_index},
-                )
+                log.info("waiting for the learner", extra=self._pacing())
+            elif time.monotonic() - said >= WAITING_LOG_EVERY_S:
+                said = time.monotonic()
+                log.info("still waiting for the learner", extra=self._pacing())
             self.stats.backpressured = True
             metrics.BACKPRESSURED.set(1)
             # Held back, the engines may idle: learn of a new version at once, not at the next tick of
