@@ -1,20 +1,16 @@
 """Faults injected into a live CPU run, one after another, and every trajectory group accounted for.
 
 Each run is ``molt up recipes/tiny-cpu.toml`` (no SFT warm-up, its embedded Redis with an append-only
-file), with the agent-pool's connection to the router through ``partition_proxy.PartitionProxy``. In
+file), with the agent-pool's connection to the router through ``molt.core.partition_proxy.PartitionProxy``. In
 turn, each fault of ``FAULTS`` is injected, at a moment its trigger waits for: *mid-step* (as soon as
 a step is recorded), *mid-refit* (as soon as the router logs a pause: the broadcaster's refit has
 begun) or *mid-checkpoint* (as soon as a step the learner checkpoints after is recorded). Run ``r``
 shifts every fault's trigger by ``r``, so three runs put each fault at each moment. After a fault the
 bench waits until the broadcaster published a newer version and the learner made more steps: the
 run *survived* it. After the last fault and a few more steps it stops the run (SIGINT: the learner
-ends with a checkpoint) and reads the run's Redis back from its append-only file:
-
-- produced: every trajectory id the queue ever accepted;
-- trained: the final checkpoint's consumed ids; dropped: its counted drops by reason;
-- remaining: trajectories still in the stream; dead: dead-lettered entries;
-- lost = produced - trained - remaining - (dropped, less the duplicates) - dead, when positive;
-- twice: ids that two retained checkpoints record as trained in different steps.
+ends with a checkpoint) and accounts for every trajectory the queue accepted
+(``molt.core.run_accounting``: trained, dropped with a reason, still in the stream, or dead-lettered;
+lost and trained twice are what must stay 0).
 
 Episodes that failed (their requests ended by a fault) never reach the queue; the status line's count
 is printed. Last line: ``faults: injected=N survived=N lost=0 twice=0``.
@@ -25,7 +21,6 @@ Usage: ``uv run python bench/faults.py [--runs 3] [--keep]``
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
@@ -37,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partition_proxy import PartitionProxy
+from molt.core.partition_proxy import PartitionProxy
+from molt.core.run_accounting import account
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_ID = "faults-bench"
@@ -175,48 +171,6 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
-def account(run_dir: Path) -> dict[str, int]:
-    """The accounting of the module docstring, from the run's checkpoints and append-only file."""
-    from molt.core.processes import RedisServer
-    from molt.v1 import common_pb2
-
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    states = [json.loads((c / "state.json").read_text()) for c in checkpoints]
-    final = states[-1]
-    trained = set(final["consumed"])
-    dropped = dict(final["dropped"])
-    twice = {tid for a, b in itertools.pairwise(states) for tid, s in a["consumed"].items()
-             if tid in b["consumed"] and b["consumed"][tid] != s}  # fmt: skip
-    server = RedisServer(run_dir / "redis", appendonly=True)  # the data only: no password needed offline
-    server.start()
-    try:
-        client = server.client()
-        stream = f"molt:{RUN_ID}:trajectories"
-        remaining = [
-            t.trajectory_id
-            for _, fields in client.xrange(stream)
-            for t in common_pb2.TrajectoryGroup.FromString(fields[b"group"]).trajectories
-        ]
-        produced = {m.decode() for m in client.smembers(f"molt:{RUN_ID}:trajectory-ids")}
-        dead = client.xlen(f"{stream}:dead")
-    finally:
-        server.stop()
-    duplicates = int(dropped.get("duplicate", 0))
-    counted = len(trained) + len(set(remaining)) + sum(dropped.values()) - duplicates + dead
-    return {
-        "produced": len(produced),
-        "trained": len(trained),
-        "dropped": sum(dropped.values()) - duplicates,
-        "duplicates_refused": duplicates,
-        "remaining": len(remaining),
-        "dead": dead,
-        "lost": max(0, len(produced) - counted),
-        "unknown": len((trained | set(remaining)) - produced),
-        "twice": len(twice) + (len(remaining) - len(set(remaining))),
-        "steps": int(final["step"]),
-    }
-
-
 def recovered(run: Run, version: int, step: int) -> Any:
     """A newer version published, and three more steps made, than at the fault."""
     return lambda: run.published() > version and run.step() >= step + 3
@@ -250,7 +204,7 @@ def one_run(index: int, model: Path, keep: bool) -> dict[str, Any]:
     finally:
         code = run.stop()
     failed = re.findall(r"(\d+) failed episodes", run.out.read_text(errors="replace"))
-    counts = account(run.dir)
+    counts = account(run.dir, RUN_ID)
     print(f"  run {index}: exit {code} after {time.monotonic() - started:.0f} s; {counts}; "
           f"failed episodes {failed[-1] if failed else 0}", flush=True)  # fmt: skip
     if not keep:

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from molt.core.processes import RedisServer
+from molt.core.run_accounting import account
 from molt.core.service_logs import log_records, log_tail
 from molt.core.testing import molt_up_command, newest_step
-from molt.v1 import common_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
@@ -120,23 +119,9 @@ def pid_of(name: str, run_dir: Path) -> int:
 
 
 def check_accounting(run_dir: Path) -> None:
-    """The run's Redis, read back from its append-only file after the run."""
-    state = json.loads((sorted((run_dir / "checkpoints").glob("step-*"))[-1] / "state.json").read_text())
-    assert state["step"] == STEPS
-    consumed, dropped = set(state["consumed"]), sum(state["dropped"].values())
-    server = RedisServer(run_dir / "redis", appendonly=True)
-    server.start()
-    try:
-        client = server.client()
-        remaining = [
-            t.trajectory_id
-            for _, fields in client.xrange("molt:faults:trajectories")
-            for t in common_pb2.TrajectoryGroup.FromString(fields[b"group"]).trajectories
-        ]
-        produced = {member.decode() for member in client.smembers("molt:faults:trajectory-ids")}
-        dead = client.xlen("molt:faults:trajectories:dead")
-    finally:
-        server.stop()
-    assert len(remaining) == len(set(remaining))
-    assert consumed <= produced and set(remaining) <= produced and not consumed & set(remaining)
-    assert len(produced) == len(consumed) + dropped + len(remaining) and dead == 0
+    """Every trajectory queued is trained, dropped with a counted reason, or still in the stream, none
+    twice, none lost and none dead-lettered (``molt.core.run_accounting``)."""
+    counts = account(run_dir, "faults")
+    assert counts["steps"] == STEPS
+    assert counts["lost"] == counts["unknown"] == counts["twice"] == counts["dead"] == 0, counts
+    assert counts["produced"] == counts["trained"] + counts["dropped"] + counts["remaining"], counts

@@ -1,4 +1,4 @@
-"""A loopback TCP proxy that ``bench/faults.py`` places between two services and cuts on command.
+"""A loopback TCP proxy that the fault tests and ``bench/faults.py`` place between two services and cut.
 
 ``cut()`` is a partition as a peer sees one: connections through the proxy stop carrying bytes (they
 are dropped without a word to either side: no reset, no FIN), and new ones are accepted and then
@@ -22,7 +22,6 @@ class PartitionProxy:
         self.loop = asyncio.new_event_loop()
         self.cut_now = False
         self.held: list[asyncio.StreamWriter] = []  # connections accepted while cut, or cut in flight
-        self.forwarded = 0  # connections carried through
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, name="partition-proxy", daemon=True)
 
@@ -48,7 +47,6 @@ class PartitionProxy:
         except OSError:
             writer.close()  # the target is down: as the target itself would, refuse
             return
-        self.forwarded += 1
         pair = (writer, up_writer)
         await asyncio.gather(self._pump(reader, up_writer, pair), self._pump(up_reader, writer, pair))
 

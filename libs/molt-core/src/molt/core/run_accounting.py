@@ -1,0 +1,59 @@
+"""Where every trajectory of a finished run went, read from its checkpoints and its Redis's append-only
+file (the fault tests and ``bench/faults.py``).
+
+- produced: every trajectory id the queue ever accepted;
+- trained: the final checkpoint's consumed ids; dropped: its counted drops by reason, less the
+  duplicates (a second copy refused is not a trajectory of its own);
+- remaining: trajectories still in the stream; dead: dead-lettered entries;
+- lost: produced ids in none of those; unknown: trained or remaining ids the queue never accepted;
+- twice: ids two retained checkpoints record as trained at different steps, or in the stream twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from molt.core.processes import RedisServer
+from molt.v1 import common_pb2
+
+
+def account(run_dir: Path, run_id: str) -> dict[str, int]:
+    """The counts above, for the run in ``run_dir`` (its redis-server must be stopped: this starts one on
+    the same data, without the run's password, to read it)."""
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    states = [json.loads((c / "state.json").read_text()) for c in checkpoints]
+    final = states[-1]
+    trained = set(final["consumed"])
+    dropped = dict(final["dropped"])
+    twice = {tid for a, b in itertools.pairwise(states) for tid, s in a["consumed"].items()
+             if tid in b["consumed"] and b["consumed"][tid] != s}  # fmt: skip
+    server = RedisServer(run_dir / "redis", appendonly=True)
+    server.start()
+    try:
+        client = server.client()
+        stream = f"molt:{run_id}:trajectories"
+        remaining = [
+            t.trajectory_id
+            for _, fields in client.xrange(stream)
+            for t in common_pb2.TrajectoryGroup.FromString(fields[b"group"]).trajectories
+        ]
+        produced = {m.decode() for m in client.smembers(f"molt:{run_id}:trajectory-ids")}
+        dead = int(client.xlen(f"{stream}:dead"))
+    finally:
+        server.stop()
+    duplicates = int(dropped.get("duplicate", 0))
+    counted = len(trained) + len(set(remaining)) + sum(dropped.values()) - duplicates + dead
+    return {
+        "produced": len(produced),
+        "trained": len(trained),
+        "dropped": sum(dropped.values()) - duplicates,
+        "duplicates_refused": duplicates,
+        "remaining": len(remaining),
+        "dead": dead,
+        "lost": max(0, len(produced) - counted),
+        "unknown": len((trained | set(remaining)) - produced),
+        "twice": len(twice) + (len(remaining) - len(set(remaining))),
+        "steps": int(final["step"]),
+    }
