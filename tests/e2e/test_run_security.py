@@ -1,11 +1,15 @@
-"""A run's services let in only the holders of its token, and the token stays in its file.
+"""A run's services let in only the holders of its token, over mutual TLS, and the token stays in its file.
 
-One shortened ``molt up recipes/tiny-cpu.toml`` on its embedded Redis. While it runs, every service is
-called without the token, and with another run's: a method that would change something if it ran
-(pause the engines, refit, stop the learner, stop the rollouts) is refused with UNAUTHENTICATED; the
-health check answers anyone; the same services answer the run's token. The embedded Redis refuses a
-client without the password. The run then reaches its last step, so none of the refused calls took
-effect. Afterwards every file of the run directory but the token's own is scanned for the token.
+One shortened ``molt up recipes/tiny-cpu.toml`` on its embedded Redis, with ``[run] tls_cert``,
+``tls_key`` and ``tls_ca`` set (a CA made for the test, one certificate for every service and client):
+every service, the launcher's status calls and the services' calls to each other speak mutual TLS.
+While it runs, every service is called over TLS without the token, and with another run's: a method
+that would change something if it ran (pause the engines, refit, stop the learner, stop the rollouts)
+is refused with UNAUTHENTICATED; the health check answers any TLS client of the CA; the same services
+answer the run's token. A client without TLS, or without a certificate of the run's CA, fails the
+handshake (UNAVAILABLE), health check included. The embedded Redis refuses a client without the
+password. The run then reaches its last step, so none of the refused calls took effect. Afterwards
+every file of the run directory but the token's own is scanned for the token.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from molt.core.auth import Access
 from molt.core.service_logs import log_tail
-from molt.core.testing import molt_up_command
+from molt.core.testing import molt_up_command, tls_certificate
 from molt.v1 import (
     agent_pool_pb2,
     agent_pool_pb2_grpc,
@@ -64,8 +68,9 @@ CALLS: dict[str, tuple[Any, tuple[str, Any], tuple[str, Any]]] = {
 }
 
 
-def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
+def molt_up(run_dir: Path, tiny_model: Path, tls: dict[str, Path]) -> list[str]:
     sets = {
+        **{f"run.{name}": f'"{path}"' for name, path in tls.items()},
         "run.run_id": '"guarded"',
         "run.run_dir": f'"{run_dir}"',
         "router.engine.model_path": f'"{tiny_model}"',
@@ -90,17 +95,23 @@ def code_of(access: Access, address: str, stub: Any, method: str, request: Any) 
     return "OK"
 
 
-def probe(run_dir: Path, token: str) -> None:
+def probe(run_dir: Path, token: str, tls: dict[str, Path]) -> None:
     """The calls of the module docstring, on the running services."""
     state = json.loads((run_dir / "state.json").read_text())
-    right, wrong = Access(token), Access("another-runs-token")
+    pem = {name: path.read_bytes() for name, path in tls.items()}
+    right = Access(token, pem["tls_cert"], pem["tls_key"], pem["tls_ca"])
+    outsiders = (
+        Access(None, pem["tls_cert"], pem["tls_key"], pem["tls_ca"]),
+        Access("another-runs-token", *pem.values()),
+    )
     for name, (stub, (change, request), (read, query)) in CALLS.items():
         address = state["processes"][name]["address"]
-        for outsider in (Access(), wrong):
+        for outsider in outsiders:
             assert code_of(outsider, address, stub, change, request) == "UNAUTHENTICATED", name
             assert code_of(outsider, address, stub, read, query) == "UNAUTHENTICATED", name
         assert code_of(right, address, stub, read, query) == "OK", name
-        with grpc.insecure_channel(address) as channel:  # the open health check
+        assert code_of(Access(token), address, stub, read, query) == "UNAVAILABLE", name  # no TLS
+        with outsiders[0].channel(address) as channel:  # the health check needs no token
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=20)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     anonymous = redis.Redis.from_url(state["redis_url"].replace("molt@", ""), socket_timeout=5)
@@ -108,11 +119,22 @@ def probe(run_dir: Path, token: str) -> None:
         anonymous.ping()
 
 
-def test_only_the_runs_token_is_let_in_and_it_stays_in_its_file(tmp_path: Path, tiny_model: Path) -> None:
+def certificates(directory: Path) -> dict[str, Path]:
+    """The run's CA and one certificate it signed, for 127.0.0.1: ``[run]`` settings by name."""
+    directory.mkdir()
+    _, ca_path, ca_key, ca = tls_certificate(directory, "ca")
+    key_path, cert_path, _, _ = tls_certificate(directory, "molt", (ca_key, ca))
+    return {"tls_cert": cert_path, "tls_key": key_path, "tls_ca": ca_path}
+
+
+def test_only_the_runs_token_over_mutual_tls_is_let_in_and_it_stays_in_its_file(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     run_dir = tmp_path / "run"
     out = tmp_path / "molt-up.log"
+    tls = certificates(tmp_path / "tls")
     with out.open("wb") as sink:
-        process = subprocess.Popen(molt_up(run_dir, tiny_model), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(molt_up(run_dir, tiny_model, tls), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 600
             while not (run_dir / "metrics.jsonl").exists():  # every service serves, and a step was made
@@ -121,7 +143,7 @@ def test_only_the_runs_token_is_let_in_and_it_stays_in_its_file(tmp_path: Path, 
             token_file = run_dir / "secrets" / "token"
             assert token_file.stat().st_mode & 0o777 == 0o600
             token = token_file.read_text().strip()
-            probe(run_dir, token)
+            probe(run_dir, token, tls)
             code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if process.poll() is None:

@@ -8,8 +8,6 @@ under test is the server's token check and the clients' channels, which every mo
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +15,6 @@ from typing import Any
 import grpc
 import pytest
 import redis
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from molt.core.auth import Access, read_secret, write_token
@@ -29,7 +23,7 @@ from molt.core.errors import ConfigError
 from molt.core.processes import RedisServer
 from molt.core.queue import TrajectoryQueue
 from molt.core.serve import Registration, ServiceHost
-from molt.core.testing import trajectory_group
+from molt.core.testing import tls_certificate, trajectory_group
 from molt.v1 import weights_pb2, weights_pb2_grpc
 
 NAME = weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name
@@ -129,38 +123,11 @@ def test_a_token_file_others_can_read_is_refused(tmp_path: Path) -> None:
         Access.of(RunSettings(token_file=path))
 
 
-def _certificate(tmp_path: Path, name: str, issuer: tuple[Any, Any] | None = None) -> tuple[Path, Path, Any, Any]:
-    """A key and certificate for 127.0.0.1, signed by ``issuer`` (key, certificate) or by itself (a CA)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    signer_key, signer = issuer if issuer else (key, None)
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(signer.subject if signer else subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-    )
-    cert = builder.sign(signer_key, hashes.SHA256())
-    key_path, cert_path = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    key_path.chmod(0o600)
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key_path, cert_path, key, cert
-
-
 def test_mutual_tls_with_the_token(tmp_path: Path) -> None:
-    _, ca_path, ca_key, ca = _certificate(tmp_path, "ca")
-    server_key, server_cert, _, _ = _certificate(tmp_path, "server", (ca_key, ca))
-    client_key, client_cert, _, _ = _certificate(tmp_path, "client", (ca_key, ca))
-    _, stranger_cert, _, _ = _certificate(tmp_path, "stranger")  # self-signed: not the run's CA
+    _, ca_path, ca_key, ca = tls_certificate(tmp_path, "ca")
+    server_key, server_cert, _, _ = tls_certificate(tmp_path, "server", (ca_key, ca))
+    client_key, client_cert, _, _ = tls_certificate(tmp_path, "client", (ca_key, ca))
+    _, stranger_cert, _, _ = tls_certificate(tmp_path, "stranger")  # self-signed: not the run's CA
     server = token_access(tmp_path, tls_cert=server_cert, tls_key=server_key, tls_ca=ca_path)
     client = token_access(tmp_path / "c", tls_cert=client_cert, tls_key=client_key, tls_ca=ca_path)
     client = Access(server.token, client.cert, client.key, client.ca)

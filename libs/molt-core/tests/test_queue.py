@@ -261,9 +261,10 @@ def test_skipped_groups_are_counted_for_producers_and_acknowledged(redis_client:
     assert producer.skipped() == 0  # no key yet
     producer.put_many([make_group(prompt_id=f"p{i}") for i in range(3)])
     read = [e.entry_id for e in consumer.read(count=3)]
-    consumer.skip(read[:2])
+    consumer.skip(read[:2], {"stale": 3, "too_long": 1})
     consumer.skip([])
-    consumer.skip([read[0]])  # again (re-read after a restart): counted once
+    consumer.skip([read[0]], {"stale": 2})  # again (a retry whose first try ran): counted once
     assert producer.skipped() == 2
+    assert producer.skipped_trajectories() == {"stale": 3, "too_long": 1}
     assert consumer.stats() == QueueStats(depth=1, pending=1, lag=0, dead_letters=0)  # skipping settles
     assert TrajectoryQueue(redis_client, "another-run").skipped() == 0

@@ -173,6 +173,8 @@ def test_groups_that_went_stale_are_dropped_and_acknowledged(
     assert loop.state.step == 2 and loop.last_checkpoint_step == 2
     assert producer.stats().depth == 0
     assert producer.skipped() == 2  # two whole groups settled untrained: the agent-pool starts two more
+    # Counted where they were settled too, for an account of the run that outlives this learner's memory.
+    assert producer.skipped_trajectories() == loop.state.skipped == {"stale": 8}
 
 
 def test_a_refused_step_dead_letters_its_groups_and_leaves_no_gradient_behind(
@@ -254,6 +256,7 @@ def test_a_learner_that_skips_every_group_keeps_the_queue_moving(
             loop.request_stop(save_checkpoint=False)
     assert loop.state.step == 1 and loop.status().skipped == {"future_version": 4}
     assert producer.skipped() == 4 and producer.stats().depth == 0
+    assert producer.skipped_trajectories() == loop.state.skipped == {"future_version": 4 * len(REWARDS)}
 
 
 def test_a_checkpoint_comes_early_when_trained_entries_would_fill_the_queue(

@@ -1,12 +1,6 @@
 """The trajectory queue: ``TrajectoryGroup`` protobuf bytes on a Redis stream (docs/queue.md).
 
-Keys of run ``<run>`` (``QueueKeys``): ``molt:<run>:trajectories``, the stream
-(field ``group``, consumer group ``learner``); ``molt:<run>:trajectory-ids``, every
-trajectory id ever queued (dedupe); ``molt:<run>:trajectories:dead``, the dead
-letters (reason, entry id, size, the payload's first ``DEAD_PAYLOAD_BYTES``; about
-the newest ``DEAD_LETTERS_KEPT``); ``molt:<run>:groups-skipped``, the entries settled
-without training, which a producer pacing itself on the policy version starts again;
-``molt:<run>:consumer:<name>``, the claim of the one reader of that name (``consumer_claim.py``).
+The run's Redis keys: ``queue_keys.py``.
 Entries are acknowledged and deleted together (XACK + XDEL) once the consumer's use
 is committed, so the stream length is the work not yet done and bounds the queue.
 How ``put`` writes atomically: ``queue_writes.py``; how the reader settles entries: ``queue_settle.py``.
@@ -16,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +21,7 @@ from redis.commands.core import Script
 
 from molt.core.consumer_claim import ConsumerClaim
 from molt.core.errors import Backpressure, InvalidInput
+from molt.core.queue_keys import QueueKeys
 from molt.core.queue_settle import DEAD_LETTER_SCRIPT, SETTLE_SCRIPT
 from molt.core.queue_writes import PAYLOAD_FIELD, PUT_SCRIPT, put_transaction, with_trajectories
 from molt.core.trajectory import group_problems
@@ -38,29 +33,6 @@ CONSUMER_GROUP = "learner"
 MAX_ENTRY_BYTES = 64 << 20  # default bound on one serialized group
 DEAD_LETTERS_KEPT = 10_000  # about this many newest dead letters are kept (XADD MAXLEN ~)
 DEAD_PAYLOAD_BYTES = 1 << 20  # a dead letter keeps at most this much of its payload
-
-
-@dataclass(frozen=True)
-class QueueKeys:
-    """The Redis keys of one run's queue."""
-
-    run_id: str
-
-    @property
-    def stream(self) -> str:
-        return f"molt:{self.run_id}:trajectories"
-
-    @property
-    def seen_ids(self) -> str:
-        return f"molt:{self.run_id}:trajectory-ids"
-
-    @property
-    def dead_letters(self) -> str:
-        return f"molt:{self.run_id}:trajectories:dead"
-
-    @property
-    def skipped_groups(self) -> str:
-        return f"molt:{self.run_id}:groups-skipped"
 
 
 @dataclass(frozen=True)
@@ -330,16 +302,18 @@ class TrajectoryQueue:
         self._as_holder(self._dead_letter_entry, DEAD_LETTERS_KEPT, *letter)
         log.error("queue entry moved to dead letters", extra={"entry_id": entry_id, "reason": reason})
 
-    def skip(self, entry_ids: Sequence[str]) -> None:
+    def skip(self, entry_ids: Sequence[str], dropped: Mapping[str, int] | None = None) -> None:
         """Settles entries this consumer read and will not train on: records them (see ``skipped``; by
         id, so one counted again is counted once) and acknowledges them, in one script. A skip is
         final and nothing of it is in any weights, so it waits for no checkpoint; record and ack go
         together, so a crash leaves an entry either still pending (read and decided again) or counted
         and gone, never gone uncounted. Held until a checkpoint, a learner that skips everything would
-        fill the queue's bound with them and then wait for entries no producer could put."""
+        fill the queue's bound with them and then wait for entries no producer could put. ``dropped``: their
+        trajectories by drop reason, added to ``skipped_trajectories`` in the same script."""
         if not entry_ids:
             return
-        self._as_holder(self._settle_entries, "1", *entry_ids)
+        pairs = [str(x) for reason, count in (dropped or {}).items() for x in (reason, count)]
+        self._as_holder(self._settle_entries, "1", len(pairs) // 2, *pairs, *entry_ids)
         self._held.difference_update(entry_ids)
 
     def skipped(self) -> int:
@@ -348,13 +322,17 @@ class TrajectoryQueue:
         behind the consumer for good (each such group moves every later step one group further on)."""
         return int(self.client.scard(self.keys.skipped_groups))
 
+    def skipped_trajectories(self) -> dict[str, int]:
+        """Trajectories of the skipped entries, by drop reason (``skip``'s ``dropped``), since the run began."""
+        return {_text(k): int(v) for k, v in self.client.hgetall(self.keys.skipped_trajectories).items()}
+
     def ack(self, entry_ids: Sequence[str]) -> int:
         """Acknowledges and deletes entries (call only after their use is committed); returns how many were
         pending. Like ``skip`` and ``dead_letter``, one script that first checks the consumer name: once
         another reader holds it, it raises ``ConsumerNameTaken`` and changes nothing."""
         if not entry_ids:
             return 0
-        acked = self._as_holder(self._settle_entries, "0", *entry_ids)
+        acked = self._as_holder(self._settle_entries, "0", 0, *entry_ids)
         self._held.difference_update(entry_ids)
         return int(acked)
 
@@ -365,7 +343,7 @@ class TrajectoryQueue:
 
     def _as_holder(self, script: Script, *args: Any) -> Any:
         """A ``queue_settle.py`` script on this run's keys, refused unless this reader holds its name."""
-        keys = [self.keys.stream, self.keys.skipped_groups, self.keys.dead_letters]
+        keys = [self.keys.stream, self.keys.skipped_groups, self.keys.dead_letters, self.keys.skipped_trajectories]
         return self._reader().run(script, keys, [CONSUMER_GROUP, *args])
 
     def _reader(self) -> ConsumerClaim:

@@ -2,8 +2,11 @@
 file (the fault tests and ``bench/faults.py``).
 
 - produced: every trajectory id the queue ever accepted;
-- trained: the final checkpoint's consumed ids; dropped: its counted drops by reason, less the
-  duplicates (a second copy refused is not a trajectory of its own);
+- trained: the final checkpoint's consumed ids;
+- dropped: trajectories dropped with a reason, less the duplicates (a second copy refused is not a
+  trajectory of its own): those of groups skipped whole as the queue's Redis counted them (a skip is
+  settled at once, so a learner that died after it and restarted from an older checkpoint does not
+  have it), and the final checkpoint's other drops;
 - remaining: trajectories still in the stream; dead: dead-lettered entries;
 - lost: produced ids in none of those; unknown: trained or remaining ids the queue never accepted;
 - twice: ids two retained checkpoints record as trained at different steps, or in the stream twice.
@@ -26,7 +29,7 @@ def account(run_dir: Path, run_id: str) -> dict[str, int]:
     states = [json.loads((c / "state.json").read_text()) for c in checkpoints]
     final = states[-1]
     trained = set(final["consumed"])
-    dropped = dict(final["dropped"])
+    dropped: dict[str, int] = final["dropped"]
     twice = {tid for a, b in itertools.pairwise(states) for tid, s in a["consumed"].items()
              if tid in b["consumed"] and b["consumed"][tid] != s}  # fmt: skip
     server = RedisServer(run_dir / "redis", appendonly=True)
@@ -41,14 +44,17 @@ def account(run_dir: Path, run_id: str) -> dict[str, int]:
         ]
         produced = {m.decode() for m in client.smembers(f"molt:{run_id}:trajectory-ids")}
         dead = int(client.xlen(f"{stream}:dead"))
+        skipped = {k.decode(): int(v) for k, v in client.hgetall(f"molt:{run_id}:trajectories-skipped").items()}
     finally:
         server.stop()
-    duplicates = int(dropped.get("duplicate", 0))
-    counted = len(trained) + len(set(remaining)) + sum(dropped.values()) - duplicates + dead
+    in_steps = {reason: n - final.get("skipped", {}).get(reason, 0) for reason, n in dropped.items()}
+    duplicates = in_steps.get("duplicate", 0) + skipped.get("duplicate", 0)
+    dropped_total = sum(in_steps.values()) + sum(skipped.values()) - duplicates
+    counted = len(trained) + len(set(remaining)) + dropped_total + dead
     return {
         "produced": len(produced),
         "trained": len(trained),
-        "dropped": sum(dropped.values()) - duplicates,
+        "dropped": dropped_total,
         "duplicates_refused": duplicates,
         "remaining": len(remaining),
         "dead": dead,

@@ -44,6 +44,7 @@ __all__ = [
     "scrape",
     "tiny_model",
     "tiny_moe_model",
+    "tls_certificate",
 ]
 
 
@@ -174,3 +175,39 @@ def newest_step(run_dir: Path) -> int:
         return 0
     lines = path.read_text().splitlines()
     return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+def tls_certificate(directory: Path, name: str, issuer: tuple[Any, Any] | None = None) -> tuple[Path, Path, Any, Any]:
+    """A key (0600) and certificate for 127.0.0.1 in ``directory``, signed by ``issuer`` (key, certificate)
+    or by itself (a CA). Returns the key's path, the certificate's, and both as objects."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    signer_key, signer = issuer if issuer else (key, None)
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(signer.subject if signer else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    cert = builder.sign(signer_key, hashes.SHA256())
+    key_path, cert_path = directory / f"{name}.key", directory / f"{name}.pem"
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    key_path.chmod(0o600)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path, key, cert

@@ -53,6 +53,9 @@ class RunState:
     policy_version: int = 0
     consumed: dict[str, int] = field(default_factory=dict)  # trajectory id -> the step that trained it
     dropped: dict[str, int] = field(default_factory=dict)  # drop reason -> trajectories
+    # The part of ``dropped`` in groups skipped whole: those are settled at once and counted in the queue's
+    # Redis too (``TrajectoryQueue.skipped_trajectories``), so an account of the run takes them from there.
+    skipped: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -61,6 +64,7 @@ class RunState:
                 "policy_version": self.policy_version,
                 "consumed": self.consumed,
                 "dropped": self.dropped,
+                "skipped": self.skipped,
             }
         )
 
@@ -73,11 +77,13 @@ class RunState:
         for name in ("step", "policy_version"):
             if not _count(data.get(name)):
                 raise ValueError(f"{name} must be an integer >= 0, got {data.get(name)!r}")
-        for name in ("consumed", "dropped"):
+        data.setdefault("skipped", {})  # a checkpoint written before it was kept
+        for name in ("consumed", "dropped", "skipped"):
             value = data.get(name)
             if not isinstance(value, dict) or not all(isinstance(k, str) and _count(v) for k, v in value.items()):
                 raise ValueError(f"{name} must map strings to integers >= 0")
-        return cls(data["step"], data["policy_version"], dict(data["consumed"]), dict(data["dropped"]))
+        fields = (dict(data[name]) for name in ("consumed", "dropped", "skipped"))
+        return cls(data["step"], data["policy_version"], *fields)
 
 
 def _count(value: object) -> bool:

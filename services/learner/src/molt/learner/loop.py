@@ -53,6 +53,7 @@ class ReadyGroup:
 
     entry: QueueEntry
     samples: list[Sample]
+    dropped: Counter[str]  # samples of the entry dropped as it was read
 
     @property
     def entry_id(self) -> str:
@@ -191,7 +192,7 @@ class LearnerLoop:
             )
             self._count_drops(outcome.dropped)
             if outcome.samples:
-                self.ready.append(ReadyGroup(entry, outcome.samples))
+                self.ready.append(ReadyGroup(entry, outcome.samples, outcome.dropped))
             else:
                 self._skip([entry.entry_id], outcome.dropped)
         prom.READY_GROUPS.set(len(self.ready))
@@ -212,9 +213,11 @@ class LearnerLoop:
         one skipped as a duplicate of an uncommitted step's trajectories is a second copy, the first
         staying pending until that step's checkpoint and so trained again after a crash."""
         assert self.queue is not None
-        self.redis.call("recording skipped groups", self.queue.skip, entry_ids)
+        self.redis.call("recording skipped groups", self.queue.skip, entry_ids, dropped)
         with self._lock:
             self.skipped[first_reason(dropped)] += len(entry_ids)
+            for reason, count in dropped.items():
+                self.state.skipped[reason] = self.state.skipped.get(reason, 0) + count
 
     def _trainable(self, groups: list[ReadyGroup]) -> tuple[list[Sample], Counter[str]]:
         """The groups' samples, re-checked, and what was dropped: a group carried over a step may have gone
@@ -240,8 +243,8 @@ class LearnerLoop:
             self.ready[self.settings.rollout.groups_per_step :],
         )
         samples, dropped = self._trainable(groups)
-        if not samples:
-            self._skip([g.entry_id for g in groups], dropped)
+        if not samples:  # the skip records every sample of the groups: those dropped as read too
+            self._skip([g.entry_id for g in groups], sum((g.dropped for g in groups), dropped))
             return
         batch = assemble(samples)
         self._broadcast(("step", batch))
