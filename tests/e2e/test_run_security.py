@@ -18,6 +18,7 @@ import json
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ CALLS: dict[str, tuple[Any, tuple[str, Any], tuple[str, Any]]] = {
 
 def molt_up(run_dir: Path, tiny_model: Path, tls: dict[str, Path]) -> list[str]:
     sets = {
-        **{f"run.{name}": f'"{path}"' for name, path in tls.items()},
+        **{f"run.{name}": f'"{path}"' for name, path in tls.items() if name.startswith("tls_")},
         "run.run_id": '"guarded"',
         "run.run_dir": f'"{run_dir}"',
         "router.engine.model_path": f'"{tiny_model}"',
@@ -100,10 +101,8 @@ def probe(run_dir: Path, token: str, tls: dict[str, Path]) -> None:
     state = json.loads((run_dir / "state.json").read_text())
     pem = {name: path.read_bytes() for name, path in tls.items()}
     right = Access(token, pem["tls_cert"], pem["tls_key"], pem["tls_ca"])
-    outsiders = (
-        Access(None, pem["tls_cert"], pem["tls_key"], pem["tls_ca"]),
-        Access("another-runs-token", *pem.values()),
-    )
+    outsiders = (replace(right, token=None), replace(right, token="another-runs-token"))
+    stranger = replace(right, cert=pem["stranger_cert"], key=pem["stranger_key"])  # the run's token, not its CA
     for name, (stub, (change, request), (read, query)) in CALLS.items():
         address = state["processes"][name]["address"]
         for outsider in outsiders:
@@ -111,6 +110,7 @@ def probe(run_dir: Path, token: str, tls: dict[str, Path]) -> None:
             assert code_of(outsider, address, stub, read, query) == "UNAUTHENTICATED", name
         assert code_of(right, address, stub, read, query) == "OK", name
         assert code_of(Access(token), address, stub, read, query) == "UNAVAILABLE", name  # no TLS
+        assert code_of(stranger, address, stub, read, query) == "UNAVAILABLE", name  # the handshake fails
         with outsiders[0].channel(address) as channel:  # the health check needs no token
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=20)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -120,11 +120,14 @@ def probe(run_dir: Path, token: str, tls: dict[str, Path]) -> None:
 
 
 def certificates(directory: Path) -> dict[str, Path]:
-    """The run's CA and one certificate it signed, for 127.0.0.1: ``[run]`` settings by name."""
+    """The run's CA and one certificate it signed, for 127.0.0.1 (``[run]`` settings by name), and a
+    stranger's self-signed one (``stranger_cert``, ``stranger_key``)."""
     directory.mkdir()
     _, ca_path, ca_key, ca = tls_certificate(directory, "ca")
     key_path, cert_path, _, _ = tls_certificate(directory, "molt", (ca_key, ca))
-    return {"tls_cert": cert_path, "tls_key": key_path, "tls_ca": ca_path}
+    stranger_key, stranger_cert, _, _ = tls_certificate(directory, "stranger")
+    run = {"tls_cert": cert_path, "tls_key": key_path, "tls_ca": ca_path}
+    return run | {"stranger_cert": stranger_cert, "stranger_key": stranger_key}
 
 
 def test_only_the_runs_token_over_mutual_tls_is_let_in_and_it_stays_in_its_file(

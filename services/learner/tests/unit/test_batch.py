@@ -69,13 +69,17 @@ def test_staleness_counts_the_oldest_loss_token_only() -> None:
     assert outcome.dropped == {"stale": 1}
 
 
-def test_consumed_ids_and_empty_samples_are_dropped() -> None:
+def test_empty_samples_are_dropped_and_a_group_delivered_again_is_a_duplicate_whole() -> None:
     group = make_group_of(
         "g", [trajectory("seen", [1], [2]), trajectory("new", [1], [2]), trajectory("tool-only", [1], [2], mask=[0])]
     )
-    outcome = build(group, consumed={"seen"})
-    assert [s.trajectory_id for s in outcome.samples] == ["new"]
-    assert outcome.dropped == {"duplicate": 1, "no_loss_tokens": 1}
+    outcome = build(group)
+    assert [s.trajectory_id for s in outcome.samples] == ["seen", "new"]
+    assert outcome.dropped == {"no_loss_tokens": 1}
+    # One of its ids trained already: the entry came again after its step's checkpoint, which counted the
+    # rest of it (trained, or dropped with a reason); counted again, a run's account would hold it twice.
+    again = build(group, consumed={"seen"})
+    assert again.samples == [] and again.dropped == {"duplicate": 3}
 
 
 def test_group_of_one_is_dropped_only_for_group_estimators() -> None:

@@ -191,10 +191,10 @@ def build_group(
 
     A producer's bug drops the whole group before anything else is looked at, so it is reported as
     what it is (docs/queue.md, "Drop reasons"): ``invalid_token``, then ``invalid_logprob``, then
-    ``invalid_version``, then ``group_of_one``; then each sample on its own: ``duplicate``,
-    ``too_long``, ``no_loss_tokens``, ``no_routing``, ``future_version``, ``stale``.
+    ``invalid_version``, ``group_of_one``, ``duplicate``; then each sample on its own: ``too_long``,
+    ``no_loss_tokens``, ``no_routing``, ``future_version``, ``stale``.
 
-    ``consumed``: trajectory ids already trained on (a re-delivered entry after a crash).
+    ``consumed``: trajectory ids already trained on (an entry holding one came again after a crash).
     ``needs_groups``: the estimator normalises within a group, so a group produced with
     ``sample_count`` < 2 carries no signal and is dropped whole ("group_of_one").
     ``key``: the group's identity in the step (the queue entry id; default its ``group_id``).
@@ -209,12 +209,13 @@ def build_group(
         reason, message, extra = whole
         log.warning(message, extra={"groupId": group.group_id, **extra})
         return GroupOutcome([], Counter({reason: len(group.trajectories)}))
+    if any(t.trajectory_id in consumed for t in group.trajectories):
+        # Delivered again after its step's checkpoint (the learner died before the ack), which counted
+        # its other drops and trained the rest: all of it is a copy.
+        return GroupOutcome([], Counter({"duplicate": len(group.trajectories)}))
     dropped: Counter[str] = Counter()
     samples: list[Sample] = []
     for trajectory in group.trajectories:
-        if trajectory.trajectory_id in consumed:
-            dropped["duplicate"] += 1
-            continue
         length = len(trajectory.prompt_token_ids) + len(trajectory.response_token_ids)
         if max_length is not None and length > max_length:
             log.warning(
