@@ -190,10 +190,10 @@ class LearnerLoop:
                 max_length=self.trainer.max_length,
                 routing_shape=self.trainer.routing_shape,
             )
-            self._count_drops(outcome.dropped)
-            if outcome.samples:
+            if outcome.samples:  # its drops count when it is trained: a checkpoint before then holds none
                 self.ready.append(ReadyGroup(entry, outcome.samples, outcome.dropped))
             else:
+                self._count_drops(outcome.dropped)
                 self._skip([entry.entry_id], outcome.dropped)
         prom.READY_GROUPS.set(len(self.ready))
 
@@ -225,7 +225,7 @@ class LearnerLoop:
         oldest_allowed = self.state.policy_version - self.drop_after
         seen: set[str] = set()
         kept: list[Sample] = []
-        dropped: Counter[str] = Counter()
+        dropped: Counter[str] = sum((g.dropped for g in groups), Counter())  # as read, and below
         for sample in (s for g in groups for s in g.samples):
             if sample.trajectory_id in self.state.consumed or sample.trajectory_id in seen:
                 dropped["duplicate"] += 1
@@ -243,8 +243,8 @@ class LearnerLoop:
             self.ready[self.settings.rollout.groups_per_step :],
         )
         samples, dropped = self._trainable(groups)
-        if not samples:  # the skip records every sample of the groups: those dropped as read too
-            self._skip([g.entry_id for g in groups], sum((g.dropped for g in groups), dropped))
+        if not samples:
+            self._skip([g.entry_id for g in groups], dropped)
             return
         batch = assemble(samples)
         self._broadcast(("step", batch))
