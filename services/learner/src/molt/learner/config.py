@@ -154,6 +154,16 @@ class LearnerSettings(ServiceSettings):
         0, ge=0, le=65535, description="placement = local: rendezvous port of the ranks; 0 picks a free one."
     )
     seed: int = Field(0, description="Seed of torch / python RNGs (saved and restored with checkpoints).")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per consumed batch (PPO mini-batches of whole groups, balanced in tokens; at "
+        "most the batch's groups). Above 1, or with epochs above 1, a forward without gradient first scores the "
+        "batch (the proximal policy), so the surrogate's ratio leaves 1 and its clipping binds (docs/algorithms.md).",
+    )
+    epochs: int = Field(
+        1, ge=1, description="Passes over each consumed batch's mini-batches (PPO epochs; docs/algorithms.md)."
+    )
     micro_batch_tokens: int = Field(
         8192, ge=16, description="Token budget of one micro-batch (padded layout: rows x longest row)."
     )

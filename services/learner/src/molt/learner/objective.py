@@ -5,10 +5,11 @@ the learner applies them: ``step_advantages`` over the whole step (or
 ``gae_targets`` from the critic's values; ``distill_advantages`` per micro-batch
 for ``on_policy_distill``), then ``micro_loss`` per micro-batch, reduced with the
 step-wide row weights so that the micro-batch losses of all ranks add up to the
-step's loss. The old-policy logprobs equal the current ones detached: the learner
-takes one optimizer step per batch, so the policy that would have scored the
-batch before the update is the one being trained; IS weights therefore compare
-the trainer with the engine, as intended.
+step's loss. With one optimizer step per batch the old-policy logprobs equal the
+current ones detached: the policy that would have scored the batch before the
+update is the one being trained, and the IS weights compare the trainer with the
+engine. With mini-batches or epochs they are the proximal policy's, scored once
+before the batch's first update (``minibatches.py``: decoupled PPO).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class MicroInputs:
     weights: Tensor  # [B], this micro-batch's slice of step_row_weights
     entropy: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    old_logprobs: Tensor | None = None  # pi_prox (minibatches.py); None: ``logprobs`` detached
 
 
 def _policy_loss(inputs: MicroInputs, old: Tensor, algo: AlgorithmSettings) -> tuple[Tensor, dict[str, Tensor]]:
@@ -111,7 +113,7 @@ def micro_loss(inputs: MicroInputs, algo: AlgorithmSettings, scale: float) -> tu
     FSDP averages gradients over ranks) and its stats: detached token means over its loss tokens.
     Per token ``policy_loss * is_weight (+ kl_coef * kl) (- entropy_coef * H)``, reduced with the
     step-wide row weights (``aggregation.row_weights``): no division by the accumulation count."""
-    old = inputs.logprobs.detach()
+    old = inputs.logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs
     ism = algo.importance_sampling
     weights, stats = is_weights(
         old, inputs.rollout_logprobs, inputs.loss_mask, level=ism.level, mode=ism.mode, low=ism.low, high=ism.high

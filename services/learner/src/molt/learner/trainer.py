@@ -36,16 +36,9 @@ from molt.learner.batch import Sample, StepBatch, batch_stats, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.critic import Critic, critic_update, critic_values
 from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, token_logprobs
+from molt.learner.minibatches import ppo_epochs, rl_loss
 from molt.learner.models import compile_layers, load_policy, model_context, resolve_backend, shard
-from molt.learner.objective import (
-    MicroInputs,
-    advantage_stats,
-    distill_advantages,
-    gae_targets,
-    micro_loss,
-    step_advantages,
-    step_row_weights,
-)
+from molt.learner.objective import advantage_stats, gae_targets, step_advantages, step_row_weights
 from molt.learner.packing import Layout, Packed, layout_of, plan, resolve_layout
 from molt.learner.ranks import SINGLE, RankInfo, device_for, to_device
 from molt.learner.replay import StepReplay, replay_shape
@@ -154,50 +147,20 @@ class Trainer:
         return self.step + self.version_offset
 
     def train_step(self, batch: StepBatch) -> dict[str, float]:
-        """One RL optimizer step on the global batch; returns the step's metrics (identical on every rank)."""
+        """One learner step on the global batch: one optimizer step, or with ``mini_batches`` / ``epochs``
+        above 1 several (``minibatches.py``); returns the step's metrics (identical on every rank)."""
         started = time.monotonic()
-        algo = self.settings.algorithm
         samples = batch.samples
         old_values = self._values(samples) if self.critic is not None else None
         # Host-side work, done once the first forward is queued (``_accumulate`` calls it on every rank at
         # that point), so on a GPU this CPU work overlaps the forward instead of leaving the GPU idle.
         host = functools.cache(functools.partial(self._host_inputs, batch, self.policy_version, old_values))
-
-        def loss_of(rows: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-            advantages = host().advantages
-            width = logprobs.shape[1]
-            rollout = self._to_device(padded([samples[r].rollout_logprobs for r in rows], width))
-            mask = self._to_device(padded([samples[r].loss_mask for r in rows], width))
-            extra: dict[str, Tensor] = {}
-            if advantages is None:
-                teacher = self._frozen_logprobs(self.teacher, samples, rows)
-                assert teacher is not None
-                micro_advantages, extra = distill_advantages(rollout, teacher, mask, algo)
-                extra["advantage/mean"] = masked_mean(micro_advantages, mask).to(torch.float64)
-            else:
-                micro_advantages = self._to_device(advantages[rows, :width])
-            inputs = MicroInputs(
-                logprobs=logprobs,
-                rollout_logprobs=rollout,
-                advantages=micro_advantages,
-                loss_mask=mask,
-                weights=self._to_device(host().weights[rows]),
-                entropy=entropy,
-                ref_logprobs=self._frozen_logprobs(self.reference, samples, rows),
-            )
-            loss, stats = micro_loss(inputs, algo, float(self.rank.world_size))
-            return loss, {**stats, **extra}
-
-        temperature = self.settings.rollout.temperature
-        replay = None
-        if self.routing_shape is not None:
-            replay = StepReplay(self.model, samples, temperature, self.head, compare=self.settings.compare_unreplayed)
-        objective, stats, norm = self._accumulate(
-            samples, loss_of, temperature, entropy=True, after_first_forward=host, replay=replay
-        )
-        metrics = {**host().stats, **stats, "loss/objective": objective, **self._optimizer_step(norm)}
-        if replay is not None:
-            metrics.update(replay.stats(self._sum_over_ranks))
+        if self.settings.mini_batches == 1 and self.settings.epochs == 1:
+            loss_of = rl_loss(self, samples, lambda: host().advantages, lambda: host().weights)
+            metrics = {**self.minibatch_step(samples, loss_of, first=True, after_first_forward=host)}
+        else:
+            metrics = ppo_epochs(self, batch, host)
+        metrics = {**host().stats, **metrics, **self._advance()}
         if old_values is not None:
             returns = host().returns
             assert returns is not None
@@ -205,6 +168,36 @@ class Trainer:
         elapsed = time.monotonic() - started
         tokens = sum(s.length for s in samples)
         metrics.update({"step_seconds": elapsed, "tokens": float(tokens), "tokens_per_s": tokens / elapsed})
+        return metrics
+
+    def minibatch_step(
+        self,
+        samples: list[Sample],
+        loss_of: MicroLoss,
+        *,
+        first: bool,
+        after_first_forward: Callable[[], object] = lambda: None,
+    ) -> dict[str, float]:
+        """One optimizer step on ``samples`` (under routing replay with their routing); the LR schedule and
+        the step count move on in ``_advance``, once per learner step. A refused update that is not the
+        step's ``first`` is skipped (the earlier ones of the step stand): counted, logged, not raised."""
+        replay = None
+        if self.routing_shape is not None:
+            replay = StepReplay(self.model, samples, self.settings.rollout.temperature, self.head,
+                                compare=self.settings.compare_unreplayed)  # fmt: skip
+        try:
+            objective, stats, norm = self._accumulate(
+                samples, loss_of, self.settings.rollout.temperature, entropy=True,
+                after_first_forward=after_first_forward, replay=replay,
+            )  # fmt: skip
+            metrics = {**stats, "loss/objective": objective, **self._apply(norm)}
+        except StepRefused as exc:
+            if first:
+                raise
+            log.error("a mini-batch's update was refused; the step's others stand", extra={"reason": str(exc)})
+            return {"minibatch/refused": 1.0}
+        if replay is not None:
+            metrics.update(replay.stats(self._sum_over_ranks))
         return metrics
 
     @record_function("molt/host_inputs")
@@ -271,7 +264,7 @@ class Trainer:
             return loss, {"loss/nll": masked_mean(nll.detach(), mask).double()}
 
         objective, stats, norm = self._accumulate(samples, loss_of, 1.0, entropy=False)
-        return {**stats, "loss/objective": objective, **self._optimizer_step(norm)}
+        return {**stats, "loss/objective": objective, **self._apply(norm), **self._advance()}
 
     def _accumulate(
         self,
@@ -382,12 +375,17 @@ class Trainer:
         raise StepRefused(reason)
 
     @record_function("molt/optimizer")
-    def _optimizer_step(self, grad_norm: Tensor) -> dict[str, float]:
+    def _apply(self, grad_norm: Tensor) -> dict[str, float]:
+        """AdamW on the accumulated gradients, then cleared (the LR stays until ``_advance``)."""
         if not torch.isfinite(grad_norm):  # the norm of every rank's gradients: the same on every rank
             self._refuse(f"the gradient norm is {float(grad_norm)}: the step is not applied")
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm)}
+
+    def _advance(self) -> dict[str, float]:
+        """The end of a learner step: the LR schedule moves on and the step (the policy version) counts."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         self.step += 1
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {"lr": lr}
