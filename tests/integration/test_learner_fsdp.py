@@ -39,11 +39,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300
 
 
 def run_one_step(
-    world: int, model: Path, redis_url: str, run_dir: Path, estimator: str, ray_address: str | None = None
+    world: int,
+    model: Path,
+    redis_url: str,
+    run_dir: Path,
+    estimator: str,
+    ray_address: str | None = None,
+    mini_batches: int = 1,
 ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
-    run_id = f"fsdp-{world}-{estimator}-{'ray' if ray_address else 'local'}"
+    run_id = f"fsdp-{world}-{estimator}-{'ray' if ray_address else 'local'}-{mini_batches}"
     producer = TrajectoryQueue(redis.Redis.from_url(redis_url), run_id)
-    producer.put(named_group("only", [1.0, 0.0, 0.5], run_id=run_id))
+    for index in range(mini_batches):  # one group per mini-batch
+        producer.put(named_group(f"group-{index}", [1.0, 0.0, 0.5][index:] + [1.0, 0.0, 0.5][:index], run_id=run_id))
     settings = LearnerSettings(
         model_path=model,
         run={"run_id": run_id, "redis_url": redis_url, "run_dir": run_dir},
@@ -53,7 +60,8 @@ def run_one_step(
         placement="ray" if ray_address else "local",
         ray_address=ray_address,
         cpu_threads=1,
-        rollout={"group_size": 3, "groups_per_step": 1},
+        rollout={"group_size": 3, "groups_per_step": mini_batches},
+        mini_batches=mini_batches,
         # One sample per micro-batch: rank 0 trains two, rank 1 one plus an empty micro-batch, in which
         # it must still join FSDP's collectives (Trainer._idle_backward).
         micro_batch_tokens=16,
@@ -92,6 +100,17 @@ def test_two_ranks_shard_other_architectures_as_one(
     assert_same_step(model, single, sharded, "grpo")
 
 
+def test_two_ranks_take_the_same_mini_batch_steps_as_one(
+    tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Two PPO mini-batches (two AdamW steps on one batch, the second one's ratio against the proximal
+    policy): each mini-batch spread over the ranks, the proximal logprobs gathered from both."""
+    single = run_one_step(1, tiny_model, redis_server.url, tmp_path / "one", "grpo", mini_batches=2)
+    sharded = run_one_step(2, tiny_model, redis_server.url, tmp_path / "two", "grpo", mini_batches=2)
+    assert single[1]["optimizer_steps"] == sharded[1]["optimizer_steps"] == 2
+    assert_same_step(tiny_model, single, sharded, "grpo", samples=6)
+
+
 def test_two_ranks_placed_by_ray_take_the_same_step_as_one(
     tiny_model: Path,
     redis_server: RedisServer,
@@ -121,7 +140,7 @@ def test_two_ranks_placed_by_ray_take_the_same_step_as_one(
 Step = tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]
 
 
-def assert_same_step(model: Path, one: Step, two: Step, estimator: str) -> None:
+def assert_same_step(model: Path, one: Step, two: Step, estimator: str, samples: int = 3) -> None:
     """The two-rank run's update equals the one-rank run's (weights, norm, loss; the critic's for gae)."""
     single, single_metrics, single_critic = one
     sharded, sharded_metrics, sharded_critic = two
@@ -134,7 +153,7 @@ def assert_same_step(model: Path, one: Step, two: Step, estimator: str) -> None:
         torch.testing.assert_close(sharded_update, update, rtol=1e-3, atol=1e-8, msg=name)
     assert sharded_metrics["grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
     assert sharded_metrics["loss/objective"] == pytest.approx(single_metrics["loss/objective"], abs=1e-6)
-    assert sharded_metrics["samples"] == single_metrics["samples"] == 3
+    assert sharded_metrics["samples"] == single_metrics["samples"] == samples
     if estimator == "gae":
         assert single_critic is not None and sharded_critic is not None
         assert single_critic["head.weight"].abs().max() > 0  # the zero-initialised head moved

@@ -14,8 +14,9 @@ from molt.learner.batch import Sample, StepBatch, assemble
 from molt.learner.config import AlgorithmSettings, LearnerSettings
 from molt.learner.minibatches import split
 from molt.learner.objective import MicroInputs, micro_loss
+from molt.learner.optim import lr_factor
 from molt.learner.synthetic import step_batch
-from molt.learner.trainer import Trainer, lr_factor
+from molt.learner.trainer import Trainer
 
 SettingsFactory = Callable[..., LearnerSettings]
 

@@ -17,10 +17,11 @@ from molt.learner.batch import StepBatch, assemble, padded
 from molt.learner.config import LearnerSettings, OptimizerSettings
 from molt.learner.logprobs import token_logprobs
 from molt.learner.objective import gae_targets, step_advantages
+from molt.learner.optim import lr_factor
 from molt.learner.packing import pack
 from molt.learner.routing import moe_routers
 from molt.learner.synthetic import step_batch
-from molt.learner.trainer import Trainer, lr_factor
+from molt.learner.trainer import Trainer
 
 SettingsFactory = Callable[..., LearnerSettings]
 
@@ -126,6 +127,26 @@ def test_kl_and_entropy_terms(learner_settings: SettingsFactory) -> None:
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)
     assert second["kl"] > 1e-6
     assert 0 < second["entropy"] <= torch.log(torch.tensor(320.0)).item()
+
+
+@pytest.mark.parametrize(("target", "direction"), [(1e-7, "rises"), (100.0, "falls")])
+def test_adaptive_kl_moves_its_coefficient_by_the_reference_rule(
+    learner_settings: SettingsFactory, target: float, direction: str
+) -> None:
+    """kl_coef *= 1 + clip(KL / target - 1, +-0.2) * samples / horizon after each step (horizon 16, 8
+    samples: at most x1.1 a step). The first step's KL is 0 (the policy is the reference): it falls.
+    Then a KL far above a tiny target makes it rise, and one far below a huge target makes it fall."""
+    algorithm = {"kl_coef": 0.1, "kl_target": target, "kl_horizon": 16}
+    trainer = Trainer(learner_settings(algorithm=algorithm, optimizer={"lr": 1e-2}))
+    batch = fixed_batch()
+    rows = [trainer.train_step(batch) for _ in range(4)]
+    coefs = [row["kl_coef"] for row in rows]
+    assert coefs[0] == 0.1 and coefs[1] == pytest.approx(0.1 * (1 - 0.2 * 8 / 16))
+    for row, before, after in zip(rows[1:], coefs[1:], coefs[2:], strict=False):
+        error = min(max(row["kl"] / target - 1, -0.2), 0.2)
+        assert after == pytest.approx(before * (1 + error * 8 / 16))
+        assert (after > before) == (direction == "rises")
+    assert trainer.kl.coef != coefs[-1]  # the fifth step's, from the fourth's KL
 
 
 def test_on_policy_distill_moves_the_policy_toward_the_teacher(

@@ -199,6 +199,7 @@ class Checkpoints:
         if self.is_writer:
             extra = {
                 "scheduler": trainer.scheduler.state_dict(),
+                "kl_coef": trainer.kl.coef,
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
             }
@@ -294,6 +295,7 @@ class Checkpoints:
             trainer.model, trainer.optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
         )
         trainer.scheduler.load_state_dict(extra["scheduler"])
+        trainer.kl.coef = float(extra.get("kl_coef", trainer.kl.coef))  # adaptive KL goes on where it was
         if trainer.critic is not None:
             trainer.critic.load_state_dict(extra["critic"]["model"])
             trainer.critic_optimizer.load_state_dict(extra["critic"]["optimizer"])

@@ -69,6 +69,14 @@ class AlgorithmSettings(BaseModel):
     reward_clip: float = Field(10.0, gt=0, description="Rewards are clamped to [-reward_clip, reward_clip].")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient; 0 disables the reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss term.")
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL: after each step kl_coef *= 1 + clip(KL / kl_target - 1, +-0.2) * samples / "
+        "kl_horizon, so it rises while the policy's KL to the reference is above the target (docs/algorithms.md). "
+        "Unset: kl_coef stays fixed. Needs kl_coef > 0 (its start).",
+    )
+    kl_horizon: int = Field(10_000, ge=1, description="Adaptive KL: samples over which the coefficient adapts.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     importance_sampling: ImportanceSamplingSettings = Field(
         default_factory=ImportanceSamplingSettings, description="IS correction."
@@ -271,6 +279,13 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
         problems.append("estimator 'on_policy_distill' needs algorithm.teacher_path (the frozen teacher model)")
     if algo.teacher_path is not None and algo.estimator != "on_policy_distill":
         problems.append(f"algorithm.teacher_path is only used by on_policy_distill, not {algo.estimator!r}")
+    if algo.kl_target is not None and algo.kl_coef == 0:
+        problems.append("algorithm.kl_target adapts kl_coef from its start, and kl_coef = 0 runs no reference: set it")
+    if settings.mini_batches > settings.rollout.groups_per_step:
+        problems.append(
+            f"mini_batches = {settings.mini_batches} is more than the {settings.rollout.groups_per_step} groups of a "
+            "step (rollout.groups_per_step): a mini-batch holds whole groups"
+        )
     if algo.loss == "gspo" and algo.dual_clip is not None:
         problems.append("dual_clip is defined for token ratios only; gspo takes none")
     if settings.rollout.routing_replay and settings.compile:

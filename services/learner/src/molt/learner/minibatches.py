@@ -134,7 +134,7 @@ def rl_loss(
             ref_logprobs=trainer._frozen_logprobs(trainer.reference, samples, rows),
             old_logprobs=old,
         )
-        loss, stats = micro_loss(inputs, algo, float(trainer.rank.world_size))
+        loss, stats = micro_loss(inputs, algo, float(trainer.rank.world_size), trainer.kl.coef)
         return loss, {**stats, **extra}
 
     return loss_of

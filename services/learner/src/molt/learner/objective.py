@@ -108,11 +108,14 @@ def _policy_loss(inputs: MicroInputs, old: Tensor, algo: AlgorithmSettings) -> t
     return cispo_loss(*args, clip_high=algo.clip_high)
 
 
-def micro_loss(inputs: MicroInputs, algo: AlgorithmSettings, scale: float) -> tuple[Tensor, dict[str, Tensor]]:
+def micro_loss(
+    inputs: MicroInputs, algo: AlgorithmSettings, scale: float, kl_coef: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the step loss (times ``scale``, the data-parallel world size, because
     FSDP averages gradients over ranks) and its stats: detached token means over its loss tokens.
     Per token ``policy_loss * is_weight (+ kl_coef * kl) (- entropy_coef * H)``, reduced with the
-    step-wide row weights (``aggregation.row_weights``): no division by the accumulation count."""
+    step-wide row weights (``aggregation.row_weights``): no division by the accumulation count.
+    ``kl_coef``: the KL term's coefficient now (adaptive KL); default ``algo.kl_coef``."""
     old = inputs.logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs
     ism = algo.importance_sampling
     weights, stats = is_weights(
@@ -123,7 +126,7 @@ def micro_loss(inputs: MicroInputs, algo: AlgorithmSettings, scale: float) -> tu
     per_token = policy * weights
     if inputs.ref_logprobs is not None:
         kl = kl_penalty(inputs.logprobs, inputs.ref_logprobs, inputs.loss_mask, algo.kl_estimator)
-        per_token = per_token + algo.kl_coef * kl
+        per_token = per_token + (algo.kl_coef if kl_coef is None else kl_coef) * kl
         stats["kl"] = masked_mean(kl.detach(), inputs.loss_mask)
     if inputs.entropy is not None:
         stats["entropy"] = masked_mean(inputs.entropy.detach(), inputs.loss_mask)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -26,19 +25,20 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.optim.lr_scheduler import LambdaLR
 from torch.profiler import record_function
 
 from molt.algos.aggregation import masked_mean, token_mean
 from molt.algos.checks import deferred_checks, immediate_checks
+from molt.algos.kl import KLController
 from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
-from molt.learner.config import LearnerSettings, OptimizerSettings
+from molt.learner.config import LearnerSettings
 from molt.learner.critic import Critic, critic_update, critic_values
 from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, token_logprobs
 from molt.learner.minibatches import ppo_epochs, rl_loss
 from molt.learner.models import compile_layers, load_policy, model_context, resolve_backend, shard
 from molt.learner.objective import advantage_stats, gae_targets, step_advantages, step_row_weights
+from molt.learner.optim import adamw
 from molt.learner.packing import Layout, Packed, layout_of, plan, resolve_layout
 from molt.learner.ranks import SINGLE, RankInfo, device_for, to_device
 from molt.learner.replay import StepReplay, replay_shape
@@ -47,14 +47,6 @@ from molt.learner.routing import freeze_router
 log = logging.getLogger(__name__)
 # (micro-batch rows, their logprobs, their entropies) -> (loss to backpropagate, stats as token means)
 MicroLoss = Callable[[list[int], Tensor, Tensor | None], tuple[Tensor, dict[str, Tensor]]]
-
-
-def lr_factor(step: int, opt: OptimizerSettings) -> float:
-    """Linear warm-up over ``warmup_steps`` then cosine from 1 to ``min_lr_ratio`` at ``total_steps``."""
-    if step < opt.warmup_steps:
-        return (step + 1) / opt.warmup_steps
-    progress = min(1.0, (step - opt.warmup_steps) / max(1, opt.total_steps - opt.warmup_steps))
-    return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -110,16 +102,9 @@ class Trainer:
                 f"{self.vocab_size}: on_policy_distill needs one vocabulary"
             )
         opt = settings.optimizer
-        # On CUDA the fused kernel updates every parameter in one pass; on CPU torch's default (for-loop).
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=opt.lr,
-            betas=opt.betas,
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            fused=True if self.device.type == "cuda" else None,
-        )
-        self.scheduler = LambdaLR(self.optimizer, lambda step: lr_factor(step, opt))
+        self.optimizer, self.scheduler = adamw(self.model.parameters(), opt, opt.lr, fused=self.device.type == "cuda")
+        algo = settings.algorithm
+        self.kl = KLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)  # the KL term's coefficient
         self.critic: Critic | None = None
         if settings.algorithm.estimator == "gae":
             critic = settings.critic
@@ -128,10 +113,7 @@ class Trainer:
                 critic.model_path or settings.model_path, self.device, trainable=True, dtype=settings.param_dtype
             )
             self.critic = Critic.from_causal_lm(body)
-            self.critic_optimizer = torch.optim.AdamW(
-                self.critic.parameters(), lr=critic.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-            )
-            self.critic_scheduler = LambdaLR(self.critic_optimizer, lambda step: lr_factor(step, opt))
+            self.critic_optimizer, self.critic_scheduler = adamw(self.critic.parameters(), opt, critic.lr)
         self.step = 0
         # Policy version = step + offset. 0 unless the engines were ahead of a restarted learner: its first
         # refit is then published after their version and the numbering goes on from there.
@@ -161,6 +143,9 @@ class Trainer:
         else:
             metrics = ppo_epochs(self, batch, host)
         metrics = {**host().stats, **metrics, **self._advance()}
+        if self.reference is not None:  # the coefficient this step used, then the next one's from its KL
+            metrics["kl_coef"] = self.kl.coef
+            self.kl.update(metrics["kl"], len(samples))
         if old_values is not None:
             returns = host().returns
             assert returns is not None
