@@ -42,6 +42,10 @@ def test_defaults_are_sound() -> None:
         ({"algorithm": {"teacher_path": "teacher"}}, "teacher_path is only used by on_policy_distill"),
         ({"mode": "sft"}, "needs an \\[learner.sft\\] table"),
         ({"max_staleness": 2, "drop_after_versions": 1}, "drop_after_versions = 1 is below max_staleness = 2"),
+        ({"algorithm": {"kl_in_reward": True}}, "kl_in_reward needs kl_coef > 0"),
+        ({"algorithm": {"kl_in_reward": True, "kl_coef": 0.1}}, "kl_in_reward has no effect with 'grpo'"),
+        ({"algorithm": {"kl_target": 0.01}}, "kl_target adapts kl_coef from its start"),
+        ({"mini_batches": 5, "groups_per_step": 4}, "mini_batches = 5 is more than the 4 groups"),
     ],
 )
 def test_unsound_settings_fail_fast_with_the_reason(values: dict[str, Any], reason: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt.algos import advantages as estimators
 from molt.core.errors import ConfigError
 from molt.core.tiny_model import build
 from molt.learner.batch import StepBatch, assemble, padded
@@ -147,6 +148,27 @@ def test_adaptive_kl_moves_its_coefficient_by_the_reference_rule(
         assert after == pytest.approx(before * (1 + error * 8 / 16))
         assert (after > before) == (direction == "rises")
     assert trainer.kl.coef != coefs[-1]  # the fifth step's, from the fourth's KL
+
+
+def test_kl_in_reward_puts_the_reference_kl_in_reinforce_returns(learner_settings: SettingsFactory) -> None:
+    """kl_in_reward: reinforce's per-token returns gain -kl_coef * KL_t(rollout || reference) (k1 here),
+    summed to the end of each sample, then whitened; the loss then holds no KL term of its own."""
+    algorithm = {"estimator": "reinforce", "kl_coef": 0.5, "kl_in_reward": True, "kl_estimator": "k1"}
+    trainer = Trainer(learner_settings(algorithm=algorithm))
+    batch = fixed_batch()
+    assert trainer.reference is not None
+    mask = padded([s.loss_mask for s in batch.samples])
+    ref = logprobs_of(trainer, batch)[:, : mask.shape[1]]  # the policy is still the reference
+    rollout = padded([s.rollout_logprobs for s in batch.samples])
+    kl = (rollout - ref).double() * mask
+    returns = torch.flip(torch.cumsum(torch.flip(-0.5 * kl, [1]), 1), [1]) * mask  # -coef * sum_{t' >= t} KL
+    returns = returns + batch.rewards.double()[:, None] * mask
+    expected = estimators.whiten(returns, mask)
+    got = trainer._host_inputs(batch, 0, None).advantages
+    assert got is not None
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+    without = Trainer(learner_settings(algorithm={**algorithm, "kl_in_reward": False}))
+    assert not torch.allclose(without._host_inputs(batch, 0, None).advantages, got)
 
 
 def test_on_policy_distill_moves_the_policy_toward_the_teacher(

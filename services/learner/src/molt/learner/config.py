@@ -69,6 +69,12 @@ class AlgorithmSettings(BaseModel):
     reward_clip: float = Field(10.0, gt=0, description="Rewards are clamped to [-reward_clip, reward_clip].")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient; 0 disables the reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss term.")
+    kl_in_reward: bool = Field(
+        False,
+        description="The KL to the reference as a per-token reward (-kl_coef * KL_t of the sampled tokens, in the "
+        "returns) instead of a loss term: reinforce, gae and on_policy_distill (docs/algorithms.md); the group "
+        "estimators would ignore it, so they refuse it. Needs kl_coef > 0.",
+    )
     kl_target: float | None = Field(
         None,
         gt=0,
@@ -237,6 +243,25 @@ class LearnerSettings(ServiceSettings):
     critic: CriticSettings = Field(default_factory=CriticSettings, description="The value model (estimator gae).")
 
 
+def unsound_algorithm(algo: AlgorithmSettings) -> list[str]:
+    """The part of ``unsound_settings`` that the algorithm table alone decides."""
+    problems: list[str] = []
+    if algo.estimator == "on_policy_distill" and algo.teacher_path is None:
+        problems.append("estimator 'on_policy_distill' needs algorithm.teacher_path (the frozen teacher model)")
+    if algo.teacher_path is not None and algo.estimator != "on_policy_distill":
+        problems.append(f"algorithm.teacher_path is only used by on_policy_distill, not {algo.estimator!r}")
+    if algo.kl_in_reward and algo.kl_coef == 0:
+        problems.append("algorithm.kl_in_reward needs kl_coef > 0 (the reward's coefficient, and the reference)")
+    if algo.kl_in_reward and algo.estimator in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
+        problems.append(
+            f"algorithm.kl_in_reward has no effect with {algo.estimator!r}: a group baseline takes one scalar "
+            "reward per sample; use the KL loss term (kl_in_reward = false), or reinforce / gae"
+        )
+    if algo.kl_target is not None and algo.kl_coef == 0:
+        problems.append("algorithm.kl_target adapts kl_coef from its start, and kl_coef = 0 runs no reference: set it")
+    return problems
+
+
 def unsound_settings(settings: LearnerSettings) -> list[str]:
     """Every combination that would make the learner train on wrongly weighted data, with the reason."""
     algo = settings.algorithm
@@ -275,12 +300,7 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
             f"{settings.rollout.max_staleness}: the producer's pacing lets samples reach max_staleness in their "
             f"slot, so the learner would drop them, and the replacements, over and over; use >= max_staleness or unset"
         )
-    if algo.estimator == "on_policy_distill" and algo.teacher_path is None:
-        problems.append("estimator 'on_policy_distill' needs algorithm.teacher_path (the frozen teacher model)")
-    if algo.teacher_path is not None and algo.estimator != "on_policy_distill":
-        problems.append(f"algorithm.teacher_path is only used by on_policy_distill, not {algo.estimator!r}")
-    if algo.kl_target is not None and algo.kl_coef == 0:
-        problems.append("algorithm.kl_target adapts kl_coef from its start, and kl_coef = 0 runs no reference: set it")
+    problems += unsound_algorithm(algo)
     if settings.mini_batches > settings.rollout.groups_per_step:
         problems.append(
             f"mini_batches = {settings.mini_batches} is more than the {settings.rollout.groups_per_step} groups of a "

@@ -119,7 +119,8 @@ def rl_loss(
         if step_advantages is None:
             teacher = trainer._frozen_logprobs(trainer.teacher, samples, rows)
             assert teacher is not None
-            micro_advantages, extra = distill_advantages(rollout, teacher, mask, algo)
+            reference = trainer._frozen_logprobs(trainer.reference, samples, rows) if algo.kl_in_reward else None
+            micro_advantages, extra = distill_advantages(rollout, teacher, mask, algo, reference, trainer.kl.coef)
             extra["advantage/mean"] = masked_mean(micro_advantages, mask).to(torch.float64)
         else:
             micro_advantages = trainer._to_device(step_advantages[rows, :width])

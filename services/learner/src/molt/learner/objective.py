@@ -37,14 +37,15 @@ GROUP_ESTIMATORS = {
 WHITENED = ("reinforce", "reinforce_baseline")
 
 
-def step_advantages(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
+def step_advantages(batch: StepBatch, algo: AlgorithmSettings, kl: Tensor | None = None, kl_coef: float = 0) -> Tensor:
     """Per-token advantages of the whole step, ``[S, T]`` float32 on the next-token axis, 0 off the mask:
     rewards clipped, then the configured estimator over the whole step (group estimators merge segments
-    by rollout id), broadcast to the loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``."""
+    by rollout id), broadcast to the loss tokens, whitened for ``reinforce`` / ``reinforce_baseline``.
+    ``kl`` ``[S, T]`` (``kl_in_reward``): ``reinforce``'s returns gain ``-kl_coef * KL_t`` per token."""
     mask = padded([s.loss_mask for s in batch.samples])
     rewards = estimators.clip_rewards(batch.rewards, -algo.reward_clip, algo.reward_clip)
     if algo.estimator == "reinforce":
-        advantages = estimators.reinforce(rewards, mask)
+        advantages = estimators.reinforce(rewards, mask, kl=kl, kl_coef=kl_coef)
     elif algo.estimator in GROUP_ESTIMATORS:
         per_segment = GROUP_ESTIMATORS[algo.estimator](rewards, batch.group_ids, batch.rollout_ids)
         advantages = per_segment[:, None] * mask
@@ -55,7 +56,9 @@ def step_advantages(batch: StepBatch, algo: AlgorithmSettings) -> Tensor:
     return advantages
 
 
-def gae_targets(batch: StepBatch, algo: AlgorithmSettings, values: Tensor) -> tuple[Tensor, Tensor]:
+def gae_targets(
+    batch: StepBatch, algo: AlgorithmSettings, values: Tensor, kl: Tensor | None = None, kl_coef: float = 0
+) -> tuple[Tensor, Tensor]:
     """``gae`` for the whole step from the critic's values ``[S, >= T]`` before this step's update (the
     learner takes one step per batch, as for the old logprobs): the advantages
     (whitened over the step's loss tokens, as for ``reinforce``) and the returns the critic regresses on.
@@ -64,18 +67,28 @@ def gae_targets(batch: StepBatch, algo: AlgorithmSettings, values: Tensor) -> tu
     mask = padded([s.loss_mask for s in batch.samples])
     rewards = estimators.clip_rewards(batch.rewards, -algo.reward_clip, algo.reward_clip)
     advantages, returns = estimators.gae(
-        rewards, values[:, : mask.shape[1]], mask, gamma=algo.gae_gamma, lam=algo.gae_lambda
+        rewards, values[:, : mask.shape[1]], mask, gamma=algo.gae_gamma, lam=algo.gae_lambda, kl=kl, kl_coef=kl_coef
     )
     return estimators.whiten(advantages, mask), returns
 
 
 def distill_advantages(
-    rollout_logprobs: Tensor, teacher_logprobs: Tensor, loss_mask: Tensor, algo: AlgorithmSettings
+    rollout_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    loss_mask: Tensor,
+    algo: AlgorithmSettings,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's ``on_policy_distill`` advantages ``-coef * (log pi_rollout - log pi_teacher)``
     (the sampling policy's logprobs are the student's, as the estimator defines) and the k1 estimate of
-    the reverse KL(student || teacher) over its loss tokens."""
+    the reverse KL(student || teacher) over its loss tokens. With ``ref_logprobs`` (``kl_in_reward``) each
+    token's advantage also gains ``-kl_coef * KL_t(pi_rollout || pi_ref)``: a pull back toward the
+    reference beside the pull toward the teacher."""
     advantages = estimators.on_policy_distill(rollout_logprobs, teacher_logprobs, loss_mask, coef=algo.distill_coef)
+    if ref_logprobs is not None:
+        kl = kl_penalty(rollout_logprobs, ref_logprobs, loss_mask, algo.kl_estimator)
+        advantages = advantages - kl_coef * kl.to(advantages.dtype)
     reverse_kl = masked_mean((rollout_logprobs - teacher_logprobs).detach(), loss_mask)
     return advantages, {"distill/reverse_kl": reverse_kl.to(torch.float64)}
 
@@ -126,7 +139,8 @@ def micro_loss(
     per_token = policy * weights
     if inputs.ref_logprobs is not None:
         kl = kl_penalty(inputs.logprobs, inputs.ref_logprobs, inputs.loss_mask, algo.kl_estimator)
-        per_token = per_token + (algo.kl_coef if kl_coef is None else kl_coef) * kl
+        if not algo.kl_in_reward:  # else it is in the advantages already; measured all the same
+            per_token = per_token + (algo.kl_coef if kl_coef is None else kl_coef) * kl
         stats["kl"] = masked_mean(kl.detach(), inputs.loss_mask)
     if inputs.entropy is not None:
         stats["entropy"] = masked_mean(inputs.entropy.detach(), inputs.loss_mask)

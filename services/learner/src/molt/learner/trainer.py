@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from molt.algos.aggregation import masked_mean, token_mean
 from molt.algos.checks import deferred_checks, immediate_checks
-from molt.algos.kl import KLController
+from molt.algos.kl import KLController, kl_penalty
 from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
 from molt.learner.config import LearnerSettings
@@ -195,13 +195,30 @@ class Trainer:
         with immediate_checks():
             stats = batch_stats(batch, version)
             advantages = returns = None
+            kl = self._reward_kl(batch.samples) if algo.kl_in_reward and self.teacher is None else None
             if old_values is not None:
-                advantages, returns = gae_targets(batch, algo, old_values)
+                advantages, returns = gae_targets(batch, algo, old_values, kl, self.kl.coef)
             elif self.teacher is None:
-                advantages = step_advantages(batch, algo)
+                advantages = step_advantages(batch, algo, kl, self.kl.coef)
             if advantages is not None:
                 stats.update(advantage_stats(advantages, padded([s.loss_mask for s in batch.samples])))
             return HostInputs(stats, advantages, returns, step_row_weights(batch, algo))
+
+    def _reward_kl(self, samples: Sequence[Sample]) -> Tensor:
+        """``kl_in_reward``: KL_t(pi_behav || pi_ref) of every sampled token of the step, ``[S, T]`` on the
+        host: the rollout's logprobs against the frozen reference's (a full copy on each rank: no
+        collective), as ``kl_estimator`` estimates it."""
+        rows = list(range(len(samples)))
+        ref = torch.zeros((len(samples), max(s.rollout_logprobs.numel() for s in samples)))
+        for micro in self._plan(samples, 1)[0]:
+            scored = self._frozen_logprobs(self.reference, samples, micro)
+            assert scored is not None
+            for i, row in enumerate(micro):
+                width = samples[row].rollout_logprobs.numel()
+                ref[row, :width] = scored[i, :width].float().cpu()
+        rollout = padded([samples[r].rollout_logprobs for r in rows], ref.shape[1])
+        mask = padded([samples[r].loss_mask for r in rows], ref.shape[1])
+        return kl_penalty(rollout, ref, mask, self.settings.algorithm.kl_estimator)
 
     def _values(self, samples: Sequence[Sample]) -> Tensor:
         """The critic's values of every sample of the step, ``[S, T]`` float32 on the CPU (no gradient)."""
