@@ -27,7 +27,7 @@ from molt.router import metrics
 from molt.router.config import RouterSettings
 from molt.router.data_channel import Chunk, EngineLinks, Failure, Submission
 from molt.router.engine_launch import check_engine_args, check_engine_nodes, start_or_attach, stop_engines
-from molt.router.engine_replacement import Replacements
+from molt.router.engine_replacement import Replacements, unless_died
 from molt.router.engine_spec import EngineInfo
 from molt.router.routing import pick_engine
 from molt.router.sampling import ModelLimits, Sampling
@@ -299,7 +299,9 @@ class EnginePool:
         engine_mode: Literal["wait", "keep"] = "wait" if mode == "drain" else "keep"
         clear_cache = mode == "drain" or self.settings.pause.kv_cache == "recompute"
         started = time.monotonic()
-        engines = asyncio.gather(*(actor.pause.remote(engine_mode, clear_cache) for actor in self._live_actors()))
+        engines = asyncio.gather(
+            *(unless_died(e, actor.pause.remote(engine_mode, clear_cache)) for e, actor in self._live_actors())
+        )
         # Shielded: once the engines are told to pause they pause, so the router counts itself paused
         # whatever the outcome (a caller that gives up, an engine that fails): it reports what it may be,
         # keeps admission closed, and a resume recovers it.
@@ -338,8 +340,7 @@ class EnginePool:
             if policy_version is not None:
                 self.policy_version = policy_version
             started = time.monotonic()
-            live = [(e, a) for e, a in self.actors.items() if self.links.is_live(e)]
-            engines = asyncio.gather(*(self._resume_engine(e, a) for e, a in live))
+            engines = asyncio.gather(*(unless_died(e, self._resume_engine(e, a)) for e, a in self._live_actors()))
             try:
                 await asyncio.wait_for(engines, ENGINE_CALL_TIMEOUT_S)
             except TimeoutError as exc:
@@ -380,9 +381,9 @@ class EnginePool:
         if not self.paused and self.closing == 0:
             self._open.set()
 
-    def _live_actors(self) -> list[Any]:
+    def _live_actors(self) -> list[tuple[str, Any]]:
         """The engines whose data channel is open (pausing or resuming a dead one would fail every refit)."""
-        return [actor for engine_id, actor in self.actors.items() if self.links.is_live(engine_id)]
+        return [(engine_id, actor) for engine_id, actor in self.actors.items() if self.links.is_live(engine_id)]
 
     def load(self) -> dict[str, tuple[int, int]]:
         """Per engine: (outstanding requests, outstanding tokens)."""

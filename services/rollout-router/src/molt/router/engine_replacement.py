@@ -143,3 +143,16 @@ class Replacements:
         pool.actors[engine_id] = actor
         pool.infos[engine_id] = info
         return info
+
+
+async def unless_died(engine_id: str, call: Any) -> None:
+    """Awaits an engine call of a pause or resume; an engine that dies meanwhile is logged and left to
+    its replacement (``Replacements``), not raised: the live engines' pause or resume stands, and the
+    refit that asked for it finds the dead one gone from the router's status."""
+    try:
+        await call
+    except ray.exceptions.RayActorError as exc:
+        log.warning(
+            "an engine died during a pause or resume; it will be replaced",
+            extra={"engine": engine_id, "error": str(exc).splitlines()[0]},
+        )
