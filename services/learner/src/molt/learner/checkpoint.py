@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from molt.core.errors import ConfigError
+from molt.learner.lora import adapter_names, check_base
 from molt.learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -194,12 +196,15 @@ class Checkpoints:
         final name (atomic) and the parent fsynced, then ``latest`` is replaced the same way, then
         older checkpoints are pruned (each renamed to ``.tmp-...`` before it is deleted)."""
         model_state = get_model_state_dict(trainer.model, options=FULL)
+        if trainer.lora:  # the adapters; the frozen base is named by its identity, not copied
+            model_state = {name: model_state[name] for name in adapter_names(model_state)}
         optimizer_state = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=FULL)
         final = self.root / f"{PREFIX}{state.step:08d}"
         if self.is_writer:
             extra = {
                 "scheduler": trainer.scheduler.state_dict(),
                 "kl_coef": trainer.kl.coef,
+                "lora_base": trainer.base,
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
             }
@@ -285,8 +290,12 @@ class Checkpoints:
             raise CheckpointError(f"{exc}{self._way_out(path)}") from exc
         if trainer.critic is not None and "critic" not in extra:
             raise CheckpointError(f"{path} holds no critic; it was not written by a gae run")
+        if trainer.lora or extra.get("lora_base"):
+            _check_lora(trainer, extra.get("lora_base"), path)
         try:
-            set_model_state_dict(trainer.model, model_state, options=StateDictOptions(full_state_dict=True))
+            # Under LoRA the checkpoint holds the adapters alone: the base weights stay as loaded.
+            options = StateDictOptions(full_state_dict=True, strict=not trainer.lora)
+            set_model_state_dict(trainer.model, model_state, options=options)
         except RuntimeError as exc:  # another model's shapes or names
             raise CheckpointError(
                 f"{path / 'model.pt'} does not fit the model {trainer.settings.model_path}: {exc}"
@@ -307,6 +316,17 @@ class Checkpoints:
         trainer.version_offset = state.policy_version - state.step
         log.info("resumed from checkpoint", extra={"step": state.step, "path": str(path)})
         return state
+
+
+def _check_lora(trainer: Trainer, saved: dict[str, str] | None, path: Path) -> None:
+    """Adapters go back only onto the base model they were trained on, and only into a LoRA run."""
+    if not trainer.lora:
+        raise CheckpointError(f"{path} holds LoRA adapters ([learner.lora] rank > 0), and this run has none")
+    assert trainer.base is not None
+    try:
+        check_base(saved, trainer.base, path)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def _read_state(path: Path) -> RunState:

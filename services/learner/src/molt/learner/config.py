@@ -89,6 +89,20 @@ class AlgorithmSettings(BaseModel):
     )
 
 
+class LoraSettings(BaseModel):
+    """LoRA adapters on the policy (PEFT): only they train; refits send merged weights (docs/algorithms.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 = no LoRA (the whole policy trains).")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the adapter's update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        description="Names of the linear layers that get adapters (PEFT's target_modules).",
+    )
+
+
 class SFTSettings(BaseModel):
     """Supervised warm-up on chat data: loss on assistant turns only."""
 
@@ -220,6 +234,7 @@ class LearnerSettings(ServiceSettings):
         "old tokens.",
     )
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="RL algorithm.")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters (rank 0: off).")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="Optimizer and schedule.")
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept (older ones pruned).")

@@ -1,5 +1,5 @@
-"""PPO's mini-batches and epochs: several optimizer steps on one consumed batch, so that the ratio
-leaves 1 and clipping binds.
+"""PPO's mini-batches and epochs (several optimizer steps on one consumed batch, so that the ratio
+leaves 1 and clipping binds), and the scoring passes they and the KL reference need.
 
 With ``[learner] mini_batches = M`` and ``epochs = E`` one consumed batch makes M x E optimizer steps.
 Before the first, one forward without gradient scores every sample with the weights the batch found:
@@ -23,7 +23,7 @@ LR schedule and the policy version count consumed batches; every optimizer step 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -32,8 +32,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from molt.algos.aggregation import masked_mean
+from molt.algos.kl import kl_penalty
 from molt.learner.batch import Sample, StepBatch, assemble, padded
 from molt.learner.logprobs import token_logprobs
+from molt.learner.lora import disabled
 from molt.learner.objective import MicroInputs, distill_advantages, micro_loss, step_row_weights
 from molt.learner.replay import StepReplay
 
@@ -69,10 +71,10 @@ def split(batch: StepBatch, count: int) -> list[list[int]]:
     return parts
 
 
-def proximal_logprobs(trainer: Trainer, samples: list[Sample]) -> list[Tensor]:
-    """pi_prox: each sample's logprobs on its next-token axis (float32, CPU) under the weights now, from
-    one forward without gradient over this rank's share (every rank's forwards in step, as FSDP needs),
-    then gathered from every rank."""
+def scored_logprobs(trainer: Trainer, samples: list[Sample]) -> list[Tensor]:
+    """pi_prox (or, adapters off, the LoRA reference): each sample's logprobs on its next-token axis
+    (float32, CPU) under the weights now, from one forward without gradient over this rank's share
+    (every rank's forwards in step, as FSDP needs), then gathered from every rank."""
     temperature = trainer.settings.rollout.temperature
     replay = None
     if trainer.routing_shape is not None:
@@ -104,11 +106,18 @@ def rl_loss(
     advantages: Callable[[], Tensor | None],
     weights: Callable[[], Tensor],
     proximal: list[Tensor] | None = None,
+    references: list[Tensor] | None = None,
 ) -> MicroLoss:
     """The loss of one micro-batch of ``samples`` (rows index them): ``advantages()`` and ``weights()``
     are row-aligned with ``samples`` (called once the first forward is queued); ``proximal``: pi_prox of
-    each sample, or None for pi_theta detached (one optimizer step per batch)."""
+    each sample, or None for pi_theta detached (one optimizer step per batch); ``references``: the KL
+    reference's logprobs of each sample when scored ahead (LoRA), else the frozen copy scores each micro-batch."""
     algo = trainer.settings.algorithm
+
+    def ref_of(rows: list[int], width: int) -> Tensor | None:
+        if references is None:
+            return trainer._frozen_logprobs(trainer.reference, samples, rows)
+        return trainer._to_device(padded([references[r] for r in rows], width))
 
     def loss_of(rows: list[int], logprobs: Tensor, entropy: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         width = logprobs.shape[1]
@@ -119,7 +128,7 @@ def rl_loss(
         if step_advantages is None:
             teacher = trainer._frozen_logprobs(trainer.teacher, samples, rows)
             assert teacher is not None
-            reference = trainer._frozen_logprobs(trainer.reference, samples, rows) if algo.kl_in_reward else None
+            reference = ref_of(rows, width) if algo.kl_in_reward else None
             micro_advantages, extra = distill_advantages(rollout, teacher, mask, algo, reference, trainer.kl.coef)
             extra["advantage/mean"] = masked_mean(micro_advantages, mask).to(torch.float64)
         else:
@@ -132,7 +141,7 @@ def rl_loss(
             loss_mask=mask,
             weights=trainer._to_device(weights()[rows]),
             entropy=entropy,
-            ref_logprobs=trainer._frozen_logprobs(trainer.reference, samples, rows),
+            ref_logprobs=ref_of(rows, width),
             old_logprobs=old,
         )
         loss, stats = micro_loss(inputs, algo, float(trainer.rank.world_size), trainer.kl.coef)
@@ -141,13 +150,15 @@ def rl_loss(
     return loss_of
 
 
-def ppo_epochs(trainer: Trainer, batch: StepBatch, host: Callable[[], HostInputs]) -> dict[str, float]:
+def ppo_epochs(
+    trainer: Trainer, batch: StepBatch, host: Callable[[], HostInputs], references: list[Tensor] | None = None
+) -> dict[str, float]:
     """The M x E optimizer steps of one consumed batch (module docstring); returns the batch's metrics:
     the mean of each mini-batch statistic, ``minibatch/<name>/max`` for the clip fractions and grad
     norm, and ``optimizer_steps``. Each mini-batch's own figures go to the log."""
     settings, algo = trainer.settings, trainer.settings.algorithm
     inputs = host()  # advantages over the whole batch, before any update
-    proximal = proximal_logprobs(trainer, batch.samples)
+    proximal = scored_logprobs(trainer, batch.samples)
     parts = split(batch, settings.mini_batches)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + trainer.step)
     runs: list[dict[str, float]] = []
@@ -158,8 +169,9 @@ def ppo_epochs(trainer: Trainer, batch: StepBatch, host: Callable[[], HostInputs
             index = torch.tensor(rows)
             advantages = None if inputs.advantages is None else inputs.advantages[index]
             weights = step_row_weights(mini, algo)
+            refs = None if references is None else [references[r] for r in rows]
             loss_of = rl_loss(trainer, mini.samples, lambda a=advantages: a, lambda w=weights: w,
-                              [proximal[r] for r in rows])  # fmt: skip
+                              [proximal[r] for r in rows], refs)  # fmt: skip
             metrics = trainer.minibatch_step(mini.samples, loss_of, first=not runs)
             log.info("mini-batch", extra={"epoch": epoch, "miniBatch": part, "rows": len(rows), **metrics})
             runs.append(metrics)
@@ -176,3 +188,27 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
             out[f"minibatch/{name}/max"] = max(values)
     out["optimizer_steps"] = float(len(runs))
     return out
+
+
+def reference_scores(trainer: Trainer, samples: Sequence[Sample]) -> list[Tensor]:
+    """The KL reference's logprobs of each sample (CPU, next-token axis): under LoRA the policy with its
+    adapters off (a pass every rank joins), else the frozen full copy's (on each rank: no collective)."""
+    if trainer.lora:
+        with disabled(trainer.model):
+            return scored_logprobs(trainer, list(samples))
+    scores: dict[int, Tensor] = {}
+    for micro in trainer._plan(samples, 1)[0]:
+        scored = trainer._frozen_logprobs(trainer.reference, samples, micro)
+        assert scored is not None
+        for i, row in enumerate(micro):
+            scores[row] = scored[i, : samples[row].rollout_logprobs.numel()].float().cpu()
+    return [scores[row] for row in range(len(samples))]
+
+
+def reward_kl(trainer: Trainer, samples: Sequence[Sample], refs: list[Tensor] | None) -> Tensor:
+    """``kl_in_reward``: KL_t(pi_behav || pi_ref) of every sampled token of the step, ``[S, T]`` on the
+    host, as ``kl_estimator`` estimates it from the rollout's logprobs and the reference's."""
+    ref = padded(refs if refs is not None else reference_scores(trainer, samples))
+    rollout = padded([s.rollout_logprobs for s in samples], ref.shape[1])
+    mask = padded([s.loss_mask for s in samples], ref.shape[1])
+    return kl_penalty(rollout, ref, mask, trainer.settings.algorithm.kl_estimator)

@@ -36,6 +36,7 @@ from molt.core.serve import KEEPALIVE
 from molt.core.weight_ipc import IpcWeightGroup, open_weight_group
 from molt.core.weightsync import TensorMeta, WeightGroup, open_store, refit_keys
 from molt.learner.config import LearnerSettings
+from molt.learner.lora import is_lora, merged_state
 from molt.learner.refit_faults import RefitFault, with_faults
 from molt.v1 import weights_pb2, weights_pb2_grpc
 
@@ -53,13 +54,18 @@ def probe_token_ids(vocab_size: int, length: int) -> list[int]:
 def gather_for_refit(model: nn.Module, probe: list[int]) -> tuple[dict[str, Tensor], list[float]]:
     """Full tensors (rank 0; empty elsewhere) and the probe logprobs; every rank must call it."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    config = getattr(model, "config", None)
+    if is_lora(model):  # the engines get the base model's names, each adapted weight merged
+        state = merged_state(model, state) if state else state
+        model_for_names = model.get_base_model()
+    else:
+        model_for_names = model
+    config = getattr(model_for_names, "config", None)
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    if state and isinstance(model, PreTrainedModel):
+    if state and isinstance(model_for_names, PreTrainedModel):
         # The checkpoint's names and layout, which the engine loads: transformers fuses some tensors
         # in memory (an MoE block's experts into 3-D gate_up_proj / down_proj) and splits them on save.
-        state = revert_weight_conversion(model, state)
+        state = revert_weight_conversion(model_for_names, state)
     if len(probe) < 2:
         return state, []
     device = next(model.parameters()).device

@@ -29,13 +29,14 @@ from torch.profiler import record_function
 
 from molt.algos.aggregation import masked_mean, token_mean
 from molt.algos.checks import deferred_checks, immediate_checks
-from molt.algos.kl import KLController, kl_penalty
+from molt.algos.kl import KLController
 from molt.core.errors import ConfigError
 from molt.learner.batch import Sample, StepBatch, batch_stats, padded
 from molt.learner.config import LearnerSettings
 from molt.learner.critic import Critic, critic_update, critic_values
 from molt.learner.logprobs import Head, compiled_head, next_token_logprobs, token_logprobs
-from molt.learner.minibatches import ppo_epochs, rl_loss
+from molt.learner.lora import apply_lora, base_identity
+from molt.learner.minibatches import ppo_epochs, reference_scores, reward_kl, rl_loss
 from molt.learner.models import compile_layers, load_policy, model_context, resolve_backend, shard
 from molt.learner.objective import advantage_stats, gae_targets, step_advantages, step_row_weights
 from molt.learner.optim import adamw
@@ -78,6 +79,10 @@ class Trainer:
         self.model = load(settings.model_path, trainable=True)
         if settings.freeze_router:  # before sharding and the optimizer: both see which weights train
             log.info("router frozen", extra={"parameters": freeze_router(self.model)})
+        self.lora = settings.lora.rank > 0  # adapters only train; the base, adapters off, is the reference
+        self.base = base_identity(settings.model_path) if self.lora else None
+        if self.lora:
+            self.model = apply_lora(self.model, settings.lora)
         # Under routing replay each sample must carry routing of this shape (build_group); None: replay off.
         self.routing_shape = replay_shape(self.model, self.backend) if settings.rollout.routing_replay else None
         self.vocab_size = int(self.model.config.vocab_size)
@@ -92,7 +97,7 @@ class Trainer:
         self.head: Head = next_token_logprobs
         if settings.compile:
             self.compile()
-        needs_reference = settings.algorithm.kl_coef > 0
+        needs_reference = settings.algorithm.kl_coef > 0 and not self.lora
         self.reference = load(settings.model_path, trainable=False) if needs_reference else None
         teacher = settings.algorithm.teacher_path
         self.teacher = load(teacher, trainable=False) if teacher is not None else None
@@ -102,7 +107,8 @@ class Trainer:
                 f"{self.vocab_size}: on_policy_distill needs one vocabulary"
             )
         opt = settings.optimizer
-        self.optimizer, self.scheduler = adamw(self.model.parameters(), opt, opt.lr, fused=self.device.type == "cuda")
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = adamw(trainable, opt, opt.lr, fused=self.device.type == "cuda")
         algo = settings.algorithm
         self.kl = KLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)  # the KL term's coefficient
         self.critic: Critic | None = None
@@ -136,14 +142,15 @@ class Trainer:
         old_values = self._values(samples) if self.critic is not None else None
         # Host-side work, done once the first forward is queued (``_accumulate`` calls it on every rank at
         # that point), so on a GPU this CPU work overlaps the forward instead of leaving the GPU idle.
-        host = functools.cache(functools.partial(self._host_inputs, batch, self.policy_version, old_values))
+        refs = reference_scores(self, samples) if self.lora else None  # before any update: the base's
+        host = functools.cache(functools.partial(self._host_inputs, batch, self.policy_version, old_values, refs))
         if self.settings.mini_batches == 1 and self.settings.epochs == 1:
-            loss_of = rl_loss(self, samples, lambda: host().advantages, lambda: host().weights)
+            loss_of = rl_loss(self, samples, lambda: host().advantages, lambda: host().weights, references=refs)
             metrics = {**self.minibatch_step(samples, loss_of, first=True, after_first_forward=host)}
         else:
-            metrics = ppo_epochs(self, batch, host)
+            metrics = ppo_epochs(self, batch, host, refs)
         metrics = {**host().stats, **metrics, **self._advance()}
-        if self.reference is not None:  # the coefficient this step used, then the next one's from its KL
+        if self.settings.algorithm.kl_coef > 0:  # the coefficient this step used, then the next one's from its KL
             metrics["kl_coef"] = self.kl.coef
             self.kl.update(metrics["kl"], len(samples))
         if old_values is not None:
@@ -186,7 +193,9 @@ class Trainer:
         return metrics
 
     @record_function("molt/host_inputs")
-    def _host_inputs(self, batch: StepBatch, version: int, old_values: Tensor | None) -> HostInputs:
+    def _host_inputs(
+        self, batch: StepBatch, version: int, old_values: Tensor | None, refs: list[Tensor] | None = None
+    ) -> HostInputs:
         """The step-wide quantities computed on the host: batch and advantage statistics, advantages
         (``gae`` from the critic's ``old_values``; none for ``on_policy_distill``, whose signal is per
         micro-batch) and aggregation weights. Bad values (a NaN reward) raise here at once, on every rank
@@ -195,7 +204,7 @@ class Trainer:
         with immediate_checks():
             stats = batch_stats(batch, version)
             advantages = returns = None
-            kl = self._reward_kl(batch.samples) if algo.kl_in_reward and self.teacher is None else None
+            kl = reward_kl(self, batch.samples, refs) if algo.kl_in_reward and self.teacher is None else None
             if old_values is not None:
                 advantages, returns = gae_targets(batch, algo, old_values, kl, self.kl.coef)
             elif self.teacher is None:
@@ -203,22 +212,6 @@ class Trainer:
             if advantages is not None:
                 stats.update(advantage_stats(advantages, padded([s.loss_mask for s in batch.samples])))
             return HostInputs(stats, advantages, returns, step_row_weights(batch, algo))
-
-    def _reward_kl(self, samples: Sequence[Sample]) -> Tensor:
-        """``kl_in_reward``: KL_t(pi_behav || pi_ref) of every sampled token of the step, ``[S, T]`` on the
-        host: the rollout's logprobs against the frozen reference's (a full copy on each rank: no
-        collective), as ``kl_estimator`` estimates it."""
-        rows = list(range(len(samples)))
-        ref = torch.zeros((len(samples), max(s.rollout_logprobs.numel() for s in samples)))
-        for micro in self._plan(samples, 1)[0]:
-            scored = self._frozen_logprobs(self.reference, samples, micro)
-            assert scored is not None
-            for i, row in enumerate(micro):
-                width = samples[row].rollout_logprobs.numel()
-                ref[row, :width] = scored[i, :width].float().cpu()
-        rollout = padded([samples[r].rollout_logprobs for r in rows], ref.shape[1])
-        mask = padded([samples[r].loss_mask for r in rows], ref.shape[1])
-        return kl_penalty(rollout, ref, mask, self.settings.algorithm.kl_estimator)
 
     def _values(self, samples: Sequence[Sample]) -> Tensor:
         """The critic's values of every sample of the step, ``[S, T]`` float32 on the CPU (no gradient)."""
