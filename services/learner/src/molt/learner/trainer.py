@@ -79,7 +79,8 @@ class Trainer:
         self.model = load(settings.model_path, trainable=True)
         if settings.freeze_router:  # before sharding and the optimizer: both see which weights train
             log.info("router frozen", extra={"parameters": freeze_router(self.model)})
-        self.lora = settings.lora.rank > 0  # adapters only train; the base, adapters off, is the reference
+        # Adapters only train; the base, adapters off, is the reference. The SFT warm-up trains it all.
+        self.lora = settings.lora.rank > 0 and settings.mode == "rl"
         self.base = base_identity(settings.model_path) if self.lora else None
         if self.lora:
             self.model = apply_lora(self.model, settings.lora)
