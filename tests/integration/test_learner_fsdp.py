@@ -46,8 +46,9 @@ def run_one_step(
     estimator: str,
     ray_address: str | None = None,
     mini_batches: int = 1,
+    lora: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor] | None]:
-    run_id = f"fsdp-{world}-{estimator}-{'ray' if ray_address else 'local'}-{mini_batches}"
+    run_id = f"fsdp-{world}-{estimator}-{'ray' if ray_address else 'local'}-{mini_batches}-{lora}"
     producer = TrajectoryQueue(redis.Redis.from_url(redis_url), run_id)
     for index in range(mini_batches):  # one group per mini-batch
         producer.put(named_group(f"group-{index}", [1.0, 0.0, 0.5][index:] + [1.0, 0.0, 0.5][:index], run_id=run_id))
@@ -62,6 +63,7 @@ def run_one_step(
         cpu_threads=1,
         rollout={"group_size": 3, "groups_per_step": mini_batches},
         mini_batches=mini_batches,
+        lora={"rank": lora},
         # One sample per micro-batch: rank 0 trains two, rank 1 one plus an empty micro-batch, in which
         # it must still join FSDP's collectives (Trainer._idle_backward).
         micro_batch_tokens=16,
@@ -109,6 +111,20 @@ def test_two_ranks_take_the_same_mini_batch_steps_as_one(
     sharded = run_one_step(2, tiny_model, redis_server.url, tmp_path / "two", "grpo", mini_batches=2)
     assert single[1]["optimizer_steps"] == sharded[1]["optimizer_steps"] == 2
     assert_same_step(tiny_model, single, sharded, "grpo", samples=6)
+
+
+def test_two_ranks_train_the_same_lora_adapters_as_one(
+    tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """LoRA (rank 4) under FSDP2: the adapters of two ranks after a step equal one rank's; the base
+    weights, frozen and sharded beside them, are not in the checkpoint (adapters only)."""
+    single = run_one_step(1, tiny_model, redis_server.url, tmp_path / "one", "grpo", lora=4)
+    sharded = run_one_step(2, tiny_model, redis_server.url, tmp_path / "two", "grpo", lora=4)
+    assert single[0].keys() == sharded[0].keys() and all(".lora_" in name for name in single[0])
+    for name, value in single[0].items():
+        torch.testing.assert_close(sharded[0][name], value, rtol=1e-3, atol=1e-8, msg=name)
+    assert any(value.abs().max() > 0 for name, value in single[0].items() if "lora_B" in name)
+    assert sharded[1]["grad_norm"] == pytest.approx(single[1]["grad_norm"], rel=1e-5)
 
 
 def test_two_ranks_placed_by_ray_take_the_same_step_as_one(

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from molt.learner.config import MetricsSettings
 from molt.learner.metrics import MetricsLog
+from molt.learner.wandb_sink import WandbSink
 
 
 def test_the_reward_curve_is_drawn_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,3 +53,18 @@ def test_a_failed_background_drawing_is_logged_and_training_goes_on(
         log.plot()  # an explicit drawing still raises
     log.close()  # the end of a run logs it and still flushes and stops the rest
     assert "could not draw the final reward curve" in caplog.text
+
+
+def test_steps_go_to_weights_and_biases_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[learner.metrics] wandb_project in offline mode: one W&B run under <run_dir>/wandb, named by the run
+    id, whose record file holds every step's metrics (read back as bytes: wandb's reader is not Python)."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    settings = MetricsSettings(wandb_project="molt-test", wandb_mode="offline")
+    metrics = MetricsLog(run_dir, plot_every=100, sink=WandbSink(settings, "wb-run", run_dir, {"lr": 1e-4}))
+    for step in range(1, 4):
+        metrics.record(step, {"reward/mean": 0.25 * step, "loss/policy": 1.0 / step})
+    metrics.close()
+    (record,) = (run_dir / "wandb").glob("offline-run-*-wb-run-*/run-wb-run-*.wandb")
+    data = record.read_bytes()
+    assert data.count(b"reward/mean") >= 3 and b"0.75" in data  # the third step's reward

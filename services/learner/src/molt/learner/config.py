@@ -103,6 +103,22 @@ class LoraSettings(BaseModel):
     )
 
 
+class MetricsSettings(BaseModel):
+    """Where the learner's metrics go besides metrics.jsonl, TensorBoard, Prometheus and reward.png."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    wandb_project: str | None = Field(
+        None,
+        description="Also log every step to this Weights & Biases project (needs the learner's wandb extra; the "
+        "API key from WANDB_API_KEY or `wandb login`, never from a recipe). Unset: no W&B.",
+    )
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user); unset: the key's default.")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="offline: written under <run_dir>/wandb for a later `wandb sync`, nothing sent."
+    )
+
+
 class SFTSettings(BaseModel):
     """Supervised warm-up on chat data: loss on assistant turns only."""
 
@@ -235,6 +251,7 @@ class LearnerSettings(ServiceSettings):
     )
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="RL algorithm.")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapters (rank 0: off).")
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings, description="Extra metric sinks (W&B).")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="Optimizer and schedule.")
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(3, ge=1, description="Complete checkpoints kept (older ones pruned).")

@@ -1,5 +1,6 @@
 """Where the learner's numbers go: ``<run_dir>/metrics.jsonl`` (one line per step), Prometheus
-gauges ``molt_learner_*``, TensorBoard events under ``<run_dir>/tensorboard`` and the reward curve
+gauges ``molt_learner_*``, TensorBoard events under ``<run_dir>/tensorboard``, W&B when configured
+(``wandb_sink.py``) and the reward curve
 ``<run_dir>/reward.png``, redrawn every ``plot_every`` steps in a background thread (a drawing
 costs enough CPU that on the training loop's path it delayed the refit of its step).
 
@@ -17,6 +18,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -70,10 +72,16 @@ def read_history(path: Path) -> dict[int, dict[str, float]]:
     return history
 
 
+class StepSink(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLog:
     """Writes each step's metrics to every sink; one per run, on rank 0."""
 
-    def __init__(self, run_dir: Path, *, plot_every: int, resumed_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, *, plot_every: int, resumed_step: int = 0, sink: StepSink | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +92,7 @@ class MetricsLog:
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resumed_step + 1)
         self.drawer = ThreadPoolExecutor(1, thread_name_prefix="reward-plot")
         self.drawing: Future[None] | None = None
+        self.sink = sink  # one more place each step goes (W&B)
 
     def record(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -94,6 +103,8 @@ class MetricsLog:
             self.writer.add_scalar(key, value, step)
             if key in STEP_GAUGES:
                 STEP_GAUGES[key].set(value)
+        if self.sink is not None:
+            self.sink.log(step, metrics)
         STEP.set(step)
         if "step_seconds" in metrics:
             STEP_SECONDS.observe(metrics["step_seconds"])
@@ -155,3 +166,5 @@ class MetricsLog:
         finally:
             self.drawer.shutdown()
             self.writer.close()
+            if self.sink is not None:
+                self.sink.close()

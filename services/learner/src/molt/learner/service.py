@@ -37,6 +37,7 @@ from molt.learner.ranks import RankInfo, finish_together, init_group, leave_grou
 from molt.learner.refit import WeightPublisher
 from molt.learner.server import LearnerServicer
 from molt.learner.trainer import Trainer
+from molt.learner.wandb_sink import WandbSink
 from molt.v1 import learner_pb2, learner_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,13 @@ def run_rank(
                 on_step.register()
             loop = LearnerLoop(settings, trainer, checkpoints, queue=queue, rank=info, on_step=on_step)
             resumed = loop.resume()
-            loop.metrics = MetricsLog(settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed)
+            sink = None
+            if settings.metrics.wandb_project:
+                config = settings.model_dump(mode="json")
+                sink = WandbSink(settings.metrics, settings.run.run_id, settings.run.run_dir, config)
+            loop.metrics = MetricsLog(
+                settings.run.run_dir, plot_every=settings.plot_every, resumed_step=resumed, sink=sink
+            )
             if on_loop is not None:
                 on_loop(loop)
             asyncio.run(serve(settings, loop, handle_signals=on_loop is None))
