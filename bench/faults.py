@@ -68,27 +68,17 @@ class Run:
 
     def __init__(self, root: Path, model: Path) -> None:
         from molt.core.ports import free_port
-        from molt.core.testing import molt_up_command
+        from molt.core.testing import molt_up_command, short_run_sets
 
         self.dir = root / "run"
         self.out = root / "molt-up.log"
         router_port = free_port()
         self.proxy = PartitionProxy(router_port)
         proxy_port = self.proxy.start()
-        sets = {
-            "run.run_id": f'"{RUN_ID}"',
-            "run.run_dir": f'"{self.dir}"',
-            "router.engine.model_path": f'"{model}"',
-            "learner.model_path": f'"{model}"',
-            "agent_pool.tokenizer_path": f'"{model}"',
-            "launcher.sft_warmup": "false",
-            "launcher.build_tiny_model": "false",
-            "launcher.progress_every_s": "2",
+        sets = short_run_sets(RUN_ID, self.dir, model, 100_000) | {  # the bench stops the run
             "launcher.restarts": "20",
             "launcher.restart_backoff_s": "1",
-            "learner.max_steps": "100000",  # the bench stops the run
             "learner.checkpoint_every": str(CHECKPOINT_EVERY),
-            "agent_pool.eval.enabled": "false",
             "router.listen": f'"127.0.0.1:{router_port}"',
             "agent_pool.router_address": f'"127.0.0.1:{proxy_port}"',
         }

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from molt.core.auth import Access
 from molt.core.service_logs import log_tail
-from molt.core.testing import molt_up_command, tls_certificate
+from molt.core.testing import molt_up_command, short_run_sets, tls_certificate
 from molt.v1 import (
     agent_pool_pb2,
     agent_pool_pb2_grpc,
@@ -70,19 +70,9 @@ CALLS: dict[str, tuple[Any, tuple[str, Any], tuple[str, Any]]] = {
 
 
 def molt_up(run_dir: Path, tiny_model: Path, tls: dict[str, Path]) -> list[str]:
-    sets = {
+    sets = short_run_sets("guarded", run_dir, tiny_model, STEPS) | {
         **{f"run.{name}": f'"{path}"' for name, path in tls.items() if name.startswith("tls_")},
-        "run.run_id": '"guarded"',
-        "run.run_dir": f'"{run_dir}"',
-        "router.engine.model_path": f'"{tiny_model}"',
-        "learner.model_path": f'"{tiny_model}"',
-        "agent_pool.tokenizer_path": f'"{tiny_model}"',
-        "launcher.sft_warmup": "false",
-        "launcher.build_tiny_model": "false",
-        "launcher.progress_every_s": "2",
-        "learner.max_steps": str(STEPS),
         "learner.checkpoint_every": "3",
-        "agent_pool.eval.enabled": "false",
     }
     return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
 

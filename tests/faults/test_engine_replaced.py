@@ -24,7 +24,7 @@ import pytest
 
 from molt.core.auth import Access
 from molt.core.service_logs import log_records, log_tail
-from molt.core.testing import molt_up_command, newest_step, ray_driver
+from molt.core.testing import molt_up_command, newest_step, ray_driver, short_run_sets
 from molt.v1 import rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -34,22 +34,12 @@ KILL_AT = 4
 
 
 def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
-    sets = {
-        "run.run_id": '"two-engines"',
-        "run.run_dir": f'"{run_dir}"',
-        "router.engine.model_path": f'"{tiny_model}"',
+    sets = short_run_sets("two-engines", run_dir, tiny_model, STEPS) | {
         "router.engine.engine_count": "2",
         "launcher.cpus_per_node": "3",
-        "learner.model_path": f'"{tiny_model}"',
-        "agent_pool.tokenizer_path": f'"{tiny_model}"',
-        "launcher.sft_warmup": "false",
-        "launcher.build_tiny_model": "false",
-        "launcher.progress_every_s": "2",
-        "learner.max_steps": str(STEPS),
         "learner.checkpoint_every": "8",
         "learner.refit_probe_tokens": "8",
         "learner.refit_probe_every": "1",  # each refit also checks the engines' logprobs against the learner's
-        "agent_pool.eval.enabled": "false",
     }
     return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
 

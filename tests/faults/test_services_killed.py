@@ -26,7 +26,7 @@ import pytest
 
 from molt.core.run_accounting import account
 from molt.core.service_logs import log_records, log_tail
-from molt.core.testing import molt_up_command, newest_step
+from molt.core.testing import molt_up_command, newest_step, short_run_sets
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
@@ -36,20 +36,10 @@ KILLS = (("agent_pool", 5), ("broadcaster", 12), ("router", 20), ("redis", 28), 
 
 
 def molt_up(run_dir: Path, tiny_model: Path) -> list[str]:
-    sets = {
-        "run.run_id": '"faults"',
-        "run.run_dir": f'"{run_dir}"',
-        "router.engine.model_path": f'"{tiny_model}"',
-        "learner.model_path": f'"{tiny_model}"',
-        "agent_pool.tokenizer_path": f'"{tiny_model}"',
-        "launcher.sft_warmup": "false",
-        "launcher.progress_every_s": "2",
+    sets = short_run_sets("faults", run_dir, tiny_model, STEPS) | {
         "launcher.restarts": "5",
         "launcher.restart_backoff_s": "1",
-        "learner.max_steps": str(STEPS),
         "learner.checkpoint_every": "10",
-        "agent_pool.eval.enabled": "false",
-        "launcher.build_tiny_model": "false",
     }
     return molt_up_command(REPO / "recipes" / "tiny-cpu.toml", sets)
 

@@ -24,7 +24,7 @@ from molt.core.partition_proxy import PartitionProxy
 from molt.core.ports import free_port
 from molt.core.run_accounting import account
 from molt.core.service_logs import log_records, log_tail
-from molt.core.testing import molt_up_command, newest_step
+from molt.core.testing import molt_up_command, newest_step, short_run_sets
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
@@ -35,18 +35,8 @@ STALLS = (("broadcaster", 4), ("agent_pool", 10), ("partition", 16), ("learner",
 
 
 def molt_up(run_dir: Path, tiny_model: Path, router_port: int, proxy_port: int) -> list[str]:
-    sets = {
-        "run.run_id": '"stalls"',
-        "run.run_dir": f'"{run_dir}"',
-        "router.engine.model_path": f'"{tiny_model}"',
-        "learner.model_path": f'"{tiny_model}"',
-        "agent_pool.tokenizer_path": f'"{tiny_model}"',
-        "launcher.sft_warmup": "false",
-        "launcher.build_tiny_model": "false",
-        "launcher.progress_every_s": "2",
-        "learner.max_steps": str(STEPS),
+    sets = short_run_sets("stalls", run_dir, tiny_model, STEPS) | {
         "learner.checkpoint_every": "6",
-        "agent_pool.eval.enabled": "false",
         "router.listen": f'"127.0.0.1:{router_port}"',
         "agent_pool.router_address": f'"127.0.0.1:{proxy_port}"',
     }

@@ -42,6 +42,7 @@ __all__ = [
     "redis_client",
     "redis_server",
     "scrape",
+    "short_run_sets",
     "tiny_model",
     "tiny_moe_model",
     "tls_certificate",
@@ -165,6 +166,23 @@ def molt_up_command(recipe: Path, sets: Mapping[str, str]) -> list[str]:
     for key, value in {**ports, **sets}.items():
         args += ["--set", f"{key}={value}"]
     return args
+
+
+def short_run_sets(run_id: str, run_dir: Path, model: Path, steps: int) -> dict[str, str]:
+    """``--set`` values of a shortened tiny-recipe run on ``model`` (already built): no SFT warm-up, no
+    evaluation, a status line every 2 s, ``steps`` learner steps, its own run id and directory."""
+    return {
+        "run.run_id": f'"{run_id}"',
+        "run.run_dir": f'"{run_dir}"',
+        "router.engine.model_path": f'"{model}"',
+        "learner.model_path": f'"{model}"',
+        "agent_pool.tokenizer_path": f'"{model}"',
+        "launcher.sft_warmup": "false",
+        "launcher.build_tiny_model": "false",
+        "launcher.progress_every_s": "2",
+        "learner.max_steps": str(steps),
+        "agent_pool.eval.enabled": "false",
+    }
 
 
 def newest_step(run_dir: Path) -> int:
