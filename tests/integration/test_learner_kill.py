@@ -39,7 +39,13 @@ REWARDS = [1.0, 0.0, 0.5, 0.25]
 
 
 def recipe(
-    tmp_path: Path, model: Path, redis_url: str, port: int, checkpoint_every: int = 2, queue_max_length: int = 1024
+    tmp_path: Path,
+    model: Path,
+    redis_url: str,
+    port: int,
+    checkpoint_every: int = 2,
+    queue_max_length: int = 1024,
+    mini_batches: int = 1,
 ) -> Path:
     path = tmp_path / "recipe.toml"
     path.write_text(f"""
@@ -59,6 +65,7 @@ model_path = "{model}"
 listen = "127.0.0.1:{port}"
 metrics_port = 0
 checkpoint_every = {checkpoint_every}
+mini_batches = {mini_batches}
 micro_batch_tokens = 64
 poll_s = 0.1
 status_every_s = 1.0
@@ -85,12 +92,15 @@ def status(address: str) -> learner_pb2.GetLearnerStatusResponse:
         )
 
 
+@pytest.mark.parametrize("mini_batches", [1, 2])
 def test_killed_learner_resumes_without_training_anything_twice(
-    tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, mini_batches: int
 ) -> None:
+    """SIGKILL after step 3, whose checkpoint never came; with two PPO mini-batches a step too (two
+    AdamW updates per consumed batch, none of which may count a sample twice)."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    config = recipe(tmp_path, tiny_model, redis_server.url, port)
+    config = recipe(tmp_path, tiny_model, redis_server.url, port, mini_batches=mini_batches)
     args = [sys.executable, "-m", "molt.learner", "--config", str(config)]
     producer = TrajectoryQueue(redis_client, RUN_ID)
     groups = [named_group(f"g{i}", REWARDS, run_id=RUN_ID) for i in range(8)]
