@@ -45,6 +45,7 @@ def test_defaults_are_sound() -> None:
         ({"algorithm": {"kl_in_reward": True}}, "kl_in_reward needs kl_coef > 0"),
         ({"algorithm": {"kl_in_reward": True, "kl_coef": 0.1}}, "kl_in_reward has no effect with 'grpo'"),
         ({"algorithm": {"kl_target": 0.01}}, "kl_target adapts kl_coef from its start"),
+        ({"algorithm": {"kl_coef": 0.1, "kl_target": 0.01, "kl_horizon": 1}}, "kl_horizon = 1 is below a fifth"),
         ({"mini_batches": 5, "groups_per_step": 4}, "mini_batches = 5 is more than the 4 groups"),
     ],
 )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt.core.errors import ConfigError
 from molt.core.tiny_model import build
 from molt.learner.batch import StepBatch
 from molt.learner.checkpoint import CheckpointError, Checkpoints, RunState
@@ -84,3 +85,12 @@ def test_adapters_resume_exactly_and_only_on_their_base(learner_settings: Settin
         Checkpoints(tmp_path / "ckpt", keep=2).load(Trainer(learner_settings(lora=LORA, model_path=other)), path)
     with pytest.raises(CheckpointError, match="this run has none"):
         Checkpoints(tmp_path / "ckpt", keep=2).load(Trainer(learner_settings()), path)
+    fewer = learner_settings(lora={**LORA, "target_modules": ["q_proj", "v_proj"]})
+    with pytest.raises(CheckpointError, match="not this run's"):
+        Checkpoints(tmp_path / "ckpt", keep=2).load(Trainer(fewer), path)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # PEFT's, on the tied embedding
+def test_adapters_on_other_than_linear_layers_are_refused(learner_settings: SettingsFactory) -> None:
+    with pytest.raises(ConfigError, match="linear layers only"):
+        Trainer(learner_settings(lora={**LORA, "target_modules": ["embed_tokens", "q_proj"]}))

@@ -291,7 +291,7 @@ class Checkpoints:
         if trainer.critic is not None and "critic" not in extra:
             raise CheckpointError(f"{path} holds no critic; it was not written by a gae run")
         if trainer.lora or extra.get("lora_base"):
-            _check_lora(trainer, extra.get("lora_base"), path)
+            _check_lora(trainer, extra.get("lora_base"), path, set(model_state))
         try:
             # Under LoRA the checkpoint holds the adapters alone: the base weights stay as loaded.
             options = StateDictOptions(full_state_dict=True, strict=not trainer.lora)
@@ -318,8 +318,9 @@ class Checkpoints:
         return state
 
 
-def _check_lora(trainer: Trainer, saved: dict[str, str] | None, path: Path) -> None:
-    """Adapters go back only onto the base model they were trained on, and only into a LoRA run."""
+def _check_lora(trainer: Trainer, saved: dict[str, str] | None, path: Path, names: set[str]) -> None:
+    """Adapters go back only onto the base model they were trained on, only into a LoRA run, and only
+    into the same adapters (another rank or target_modules would leave some untrained, silently)."""
     if not trainer.lora:
         raise CheckpointError(f"{path} holds LoRA adapters ([learner.lora] rank > 0), and this run has none")
     assert trainer.base is not None
@@ -327,6 +328,13 @@ def _check_lora(trainer: Trainer, saved: dict[str, str] | None, path: Path) -> N
         check_base(saved, trainer.base, path)
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from exc
+    wanted = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if names != wanted:
+        missing, extra = sorted(wanted - names)[:3], sorted(names - wanted)[:3]
+        raise CheckpointError(
+            f"{path}'s adapters are not this run's [learner.lora] adapters (another target_modules?): "
+            f"missing {missing}, unexpected {extra}"
+        )
 
 
 def _read_state(path: Path) -> RunState:

@@ -8,6 +8,7 @@ correction, IS on renormalised sampling, group estimators without groups);
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -333,6 +334,14 @@ def unsound_settings(settings: LearnerSettings) -> list[str]:
             f"slot, so the learner would drop them, and the replacements, over and over; use >= max_staleness or unset"
         )
     problems += unsound_algorithm(algo)
+    samples = settings.rollout.group_size * settings.rollout.groups_per_step
+    if settings.algorithm.kl_target is not None and settings.algorithm.kl_horizon * 5 < samples:
+        problems.append(
+            f"algorithm.kl_horizon = {settings.algorithm.kl_horizon} is below a fifth of a step's {samples} samples: "
+            "one update (kl_coef *= 1 + e * samples / kl_horizon, e down to -0.2) could make kl_coef negative"
+        )
+    if settings.metrics.wandb_project and importlib.util.find_spec("wandb") is None:
+        problems.append("metrics.wandb_project is set but wandb is not installed (the learner's wandb extra)")
     if settings.mini_batches > settings.rollout.groups_per_step:
         problems.append(
             f"mini_batches = {settings.mini_batches} is more than the {settings.rollout.groups_per_step} groups of a "

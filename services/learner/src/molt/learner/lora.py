@@ -43,6 +43,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         wrapped = get_peft_model(model, config)
     except ValueError as exc:  # no module matched target_modules, or one PEFT cannot adapt
         raise ConfigError(f"[learner.lora] target_modules {settings.target_modules}: {exc}") from exc
+    from peft.tuners.lora import Linear, LoraLayer
+
+    odd = [name for name, m in wrapped.named_modules() if isinstance(m, LoraLayer) and not isinstance(m, Linear)]
+    if odd:  # an embedding or convolution adapter: merged_state merges linear layers only
+        raise ConfigError(f"[learner.lora] target_modules may name linear layers only; {odd[:3]} are not")
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
     log.info("LoRA adapters on the policy", extra={"trainable": trainable, "parameters": total})

@@ -80,19 +80,24 @@ def scored_logprobs(trainer: Trainer, samples: list[Sample]) -> list[Tensor]:
     if trainer.routing_shape is not None:
         replay = StepReplay(trainer.model, samples, temperature, trainer.head, compare=False)
     mine: dict[int, Tensor] = {}
-    with torch.no_grad():
-        for rows in trainer._plan(samples, trainer.rank.world_size)[trainer.rank.rank]:
-            if not rows:
-                if replay is not None:
-                    replay.idle()
-                one = torch.zeros((1, 1), dtype=torch.int64, device=trainer.device)
-                trainer.model(input_ids=one, position_ids=one, use_cache=False)
-                continue
-            micro = trainer._micro(samples, rows)
-            with replay.forward(rows, micro) if replay is not None else nullcontext():
-                logprobs, _ = token_logprobs(trainer.model, micro, len(rows), temperature, head=trainer.head)
-            for i, row in enumerate(rows):
-                mine[row] = logprobs[i, : samples[row].rollout_logprobs.numel()].float().cpu()
+    training = trainer.model.training
+    trainer.model.eval()  # no dropout (LoRA's): a score, not a sample of the training forward
+    try:
+        with torch.no_grad():
+            for rows in trainer._plan(samples, trainer.rank.world_size)[trainer.rank.rank]:
+                if not rows:
+                    if replay is not None:
+                        replay.idle()
+                    one = torch.zeros((1, 1), dtype=torch.int64, device=trainer.device)
+                    trainer.model(input_ids=one, position_ids=one, use_cache=False)
+                    continue
+                micro = trainer._micro(samples, rows)
+                with replay.forward(rows, micro) if replay is not None else nullcontext():
+                    logprobs, _ = token_logprobs(trainer.model, micro, len(rows), temperature, head=trainer.head)
+                for i, row in enumerate(rows):
+                    mine[row] = logprobs[i, : samples[row].rollout_logprobs.numel()].float().cpu()
+    finally:
+        trainer.model.train(training)
     if trainer.rank.distributed:
         everyone: list[dict[int, Tensor] | None] = [None] * trainer.rank.world_size
         dist.all_gather_object(everyone, mine)
@@ -179,14 +184,19 @@ def ppo_epochs(
 
 
 def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
-    """The batch's figures from its mini-batches' (module docstring of ``ppo_epochs``)."""
-    names = {name for run in runs for name in run}
-    out = {name: sum(r[name] for r in runs if name in r) / sum(name in r for r in runs) for name in names}
+    """The batch's figures from its mini-batches' (module docstring of ``ppo_epochs``); a refused
+    mini-batch counts in ``minibatch/refused`` only."""
+    refused = sum(1 for r in runs if "minibatch/refused" in r)
+    applied = [r for r in runs if "minibatch/refused" not in r]
+    names = {name for run in applied for name in run}
+    out = {name: sum(r[name] for r in applied if name in r) / sum(name in r for r in applied) for name in names}
     for name in ("grad_norm", "clip_fraction", "dual_clip_fraction"):
-        values = [r[name] for r in runs if name in r]
+        values = [r[name] for r in applied if name in r]
         if values:
             out[f"minibatch/{name}/max"] = max(values)
-    out["optimizer_steps"] = float(len(runs))
+    out["optimizer_steps"] = float(len(applied))
+    if refused:
+        out["minibatch/refused"] = float(refused)
     return out
 
 

@@ -143,7 +143,8 @@ class Trainer:
         old_values = self._values(samples) if self.critic is not None else None
         # Host-side work, done once the first forward is queued (``_accumulate`` calls it on every rank at
         # that point), so on a GPU this CPU work overlaps the forward instead of leaving the GPU idle.
-        refs = reference_scores(self, samples) if self.lora else None  # before any update: the base's
+        lora_kl = self.lora and self.settings.algorithm.kl_coef > 0
+        refs = reference_scores(self, samples) if lora_kl else None  # before any update: the base's
         host = functools.cache(functools.partial(self._host_inputs, batch, self.policy_version, old_values, refs))
         if self.settings.mini_batches == 1 and self.settings.epochs == 1:
             loss_of = rl_loss(self, samples, lambda: host().advantages, lambda: host().weights, references=refs)
@@ -328,8 +329,13 @@ class Trainer:
         if refused:
             self._refuse(failure or "another rank refused a value of this step")
         names = sorted(sums)
+        if self.rank.distributed:  # a rank with no rows this time has no stats: every rank sums the same names
+            everyone: list[list[str] | None] = [None] * self.rank.world_size
+            dist.all_gather_object(everyone, names)
+            names = sorted({n for part in everyone if part for n in part})
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
         with record_function("molt/reduce"):  # after the checks' sync: the GPU has nothing left to run
-            reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums[n] for n in names)]))
+            reduced = self._sum_over_ranks(torch.stack([total, tokens, *(sums.get(n, zero) for n in names)]))
         count = float(reduced[1].clamp(min=1))
         stats = {n: float(v) / count for n, v in zip(names, reduced[2:], strict=True)}
         return float(reduced[0]), stats, norm
