@@ -148,7 +148,7 @@ def test_two_ranks_placed_by_ray_take_the_same_step_as_one(
         from ray.util import placement_group_table
 
         states = {entry["name"]: entry["state"] for entry in placement_group_table().values()}
-        assert states.get("molt-fsdp-2-grpo-ray-learner") == "REMOVED", states
+        assert states.get("molt-fsdp-2-grpo-ray-1-0-learner") == "REMOVED", states
     finally:
         ray.shutdown()
 
