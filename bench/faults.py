@@ -90,6 +90,10 @@ class Run:
         if self.process.poll() is not None:
             raise RuntimeError(f"molt up exited with {self.process.returncode}:\n{tail(self.out)}")
 
+    def running(self) -> bool:
+        path = self.dir / "state.json"
+        return path.exists() and json.loads(path.read_text()).get("phase") == "running"
+
     def step(self) -> int:
         from molt.core.testing import newest_step
 
@@ -172,6 +176,10 @@ def one_run(index: int, model: Path, keep: bool) -> dict[str, Any]:
     started = time.monotonic()
     results = []
     try:
+        # Faults go into a running run: not before every service served (the learner may train on the
+        # agent-pool's first groups while the launcher still waits for its health check, and a service
+        # that dies before it serves ends the start-up, as a bad config would).
+        run.wait("every service serving", run.running, 900, poll_s=0.5)
         run.wait("the first step", lambda: run.step() >= 2, 900, poll_s=0.5)
         for position, fault in enumerate(FAULTS):
             moment = TRIGGERS[(position + index) % len(TRIGGERS)]
